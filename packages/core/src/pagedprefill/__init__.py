@@ -1,0 +1,66 @@
+"""pagedprefill: prefix-prefill attention over a paged KV cache, with backends chosen per device.
+
+Quick start::
+
+    import pagedprefill as pp
+    out = pp.prefill_attention(q, k, v, cache, batch)          # native, typed API
+    pp.context_attention_fwd(q, k, v, o, "auto", k_cache, ...)  # drop-in signature
+
+At import, pagedprefill discovers installed backend plugins (entry-point group ``pagedprefill.backends``)
+and selects one for the current device. Set ``PAGEDPREFILL_LAZY_SELECT=1`` to defer that to the first call
+(for processes that fork workers before touching the GPU).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from .api import (
+    available_backends,
+    context_attention_fwd,
+    dispatch,
+    get_registry,
+    prefill_attention,
+    reset_registry,
+    select_backend,
+)
+from .cache import allocate_cache, fp8_scale_for, gather_kv, quantize_fp8, write_to_cache
+from .device import DeviceInfo
+from .reference import reference_prefill
+from .registry import (
+    ENTRY_POINT_GROUP,
+    ENV_BACKEND,
+    Backend,
+    BackendUnavailableError,
+    UnsupportedFeatureError,
+    hookimpl,
+)
+from .tiling import ProblemShape, TileConfig, TilingPolicy
+from .types import AttentionOptions, BatchMetadata, KVCacheDType, KVLayout, PagedKVCache, PrefillProblem
+from .validation import validate_problem
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionOptions", "Backend", "BackendUnavailableError", "BatchMetadata", "DeviceInfo", "ENTRY_POINT_GROUP",
+    "ENV_BACKEND", "KVCacheDType", "KVLayout", "PagedKVCache", "PrefillProblem", "ProblemShape", "TileConfig",
+    "TilingPolicy", "UnsupportedFeatureError", "allocate_cache", "available_backends", "context_attention_fwd",
+    "dispatch", "fp8_scale_for", "gather_kv", "get_registry", "hookimpl", "import_selection", "prefill_attention",
+    "quantize_fp8", "reference_prefill", "reset_registry", "select_backend", "validate_problem", "write_to_cache",
+]
+
+_import_selection: Optional[Backend] = None
+_import_selection_error: Optional[BaseException] = None
+
+
+def import_selection() -> Optional[Backend]:
+    """The backend chosen for the current device at import (None if deferred or if nothing fit)."""
+    return _import_selection
+
+
+if os.environ.get("PAGEDPREFILL_LAZY_SELECT", "0") in ("", "0"):
+    try:
+        _import_selection = select_backend()
+    except Exception as _exc:  # never fail the import; the first call raises the full explanation
+        _import_selection_error = _exc

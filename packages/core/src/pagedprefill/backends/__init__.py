@@ -1,0 +1,1 @@
+"""Backends that ship inside core (only the reference) and the shared base of Triton backends."""

@@ -1,0 +1,25 @@
+"""The built-in ``reference`` backend: PyTorch ops on any device, lowest priority."""
+
+from __future__ import annotations
+
+from ..device import DeviceInfo
+from ..reference import reference_prefill
+from ..registry import Backend, hookimpl
+from ..types import PrefillProblem
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+    priority = 0
+    description = "pure PyTorch, float32 accumulation, every feature, any device (slow; the test oracle)"
+
+    def supports(self, device: DeviceInfo) -> list[str]:
+        return []
+
+    def run(self, problem: PrefillProblem, device: DeviceInfo) -> None:
+        reference_prefill(problem)
+
+
+@hookimpl
+def pagedprefill_backends():
+    return [ReferenceBackend()]

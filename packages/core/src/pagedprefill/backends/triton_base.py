@@ -1,0 +1,57 @@
+"""Shared base of backends that run core's Triton kernel with their own tiling policy."""
+
+from __future__ import annotations
+
+from ..device import DeviceInfo, interpreter_enabled, triton_installed
+from ..registry import Backend
+from ..tiling import ProblemShape
+from ..types import PrefillProblem
+
+
+def problem_shape(problem: PrefillProblem) -> ProblemShape:
+    """The data-free description of ``problem`` that policies decide on."""
+    return ProblemShape(
+        head_size=problem.head_size,
+        num_heads=problem.num_heads,
+        num_kv_heads=problem.num_kv_heads,
+        dtype=problem.q.dtype,
+        kv_cache_dtype=problem.cache.dtype.value,
+        block_size=problem.cache.block_size,
+        num_tokens=problem.num_tokens,
+        num_seqs=problem.batch.num_seqs,
+        max_query_len=problem.batch.max_query_len,
+        sliding_window=problem.options.window,
+    )
+
+
+class TritonBackend(Backend):
+    """A backend made of core's Triton kernel plus a policy; subclasses add hardware checks.
+
+    Subclasses implement :meth:`hardware_reasons` (why the device is not theirs) and set :attr:`policy`.
+    """
+
+    #: Whether the backend accepts CPU tensors under ``TRITON_INTERPRET=1``.
+    runs_in_interpreter = False
+
+    def hardware_reasons(self, device: DeviceInfo) -> list[str]:
+        return []
+
+    def supports(self, device: DeviceInfo) -> list[str]:
+        if not triton_installed():
+            return ["Triton is not installed (pip install 'pagedprefill[triton]')"]
+        if device.type == "cpu":
+            if not self.runs_in_interpreter:
+                return ["runs on GPUs only, not on the CPU"]
+            if not interpreter_enabled():
+                return ["on the CPU it needs Triton's interpreter: set TRITON_INTERPRET=1"]
+            return []
+        if interpreter_enabled():
+            return [f"TRITON_INTERPRET=1 is set, which runs Triton on the CPU only, not on {device.type}"]
+        if device.triton_backend is None:
+            return [f"Triton has no active driver for {device.type} device {device.name!r}"]
+        return self.hardware_reasons(device)
+
+    def run(self, problem: PrefillProblem, device: DeviceInfo) -> None:
+        from ..triton.launch import launch_prefill
+
+        launch_prefill(problem, self.policy(problem_shape(problem), device))

@@ -1,0 +1,188 @@
+"""Backend discovery (pluggy + entry points) and selection.
+
+Selection rules, in order:
+
+1. an explicit ``backend=`` (a name or a :class:`Backend`): used if it supports the device, else an error
+   with its reasons;
+2. ``PAGEDPREFILL_BACKEND`` (comma-separated names, in order of preference): the first listed backend that
+   supports the device; if none does, an error listing each one's reasons (an explicit choice never
+   silently falls back to something else);
+3. otherwise the supporting backend with the highest priority (ties broken by name).
+
+A plugin that fails to load is recorded with its error and skipped; asking for it by name raises that
+error.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import traceback
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Iterable, Optional, Union
+
+import pluggy
+
+from ..device import DeviceInfo
+from . import hookspecs
+from .backend import Backend, BackendUnavailableError
+
+ENV_BACKEND = "PAGEDPREFILL_BACKEND"
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """One row of ``pagedprefill info``: a backend and why it can or cannot run on a device."""
+
+    name: str
+    priority: Optional[int]
+    reasons: tuple[str, ...]
+    backend: Optional[Backend] = None
+
+    @property
+    def supported(self) -> bool:
+        return self.backend is not None and not self.reasons
+
+
+class Registry:
+    """Discovers backends and picks one per device.
+
+    Args:
+        load_entry_points: discover installed plugins through the ``pagedprefill.backends`` group.
+        builtins: plugin objects registered first (core's reference backend).
+    """
+
+    def __init__(self, load_entry_points: bool = True, builtins: Iterable[object] = ()) -> None:
+        self._pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        self._pm.add_hookspecs(hookspecs)
+        self._load_errors: dict[str, str] = {}
+        self._backends: Optional[dict[str, Backend]] = None
+        self._selected: dict[tuple, Backend] = {}
+        self._lock = threading.Lock()
+        for plugin in builtins:
+            self._pm.register(plugin)
+        if load_entry_points:
+            self._load_entry_points()
+
+    # -- discovery -------------------------------------------------------------------------------
+    def _load_entry_points(self) -> None:
+        for ep in metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP):
+            if self._pm.get_plugin(ep.name) is not None or ep.name in self._load_errors:
+                continue
+            try:
+                self._pm.register(ep.load(), name=ep.name)
+            except Exception as exc:  # a broken plugin must never break import pagedprefill
+                self._load_errors[ep.name] = f"{type(exc).__name__}: {exc}"
+                self._load_errors[ep.name + ":traceback"] = traceback.format_exc()
+
+    def register(self, plugin: object, name: Optional[str] = None) -> None:
+        """Register a plugin object (a module or instance with ``@hookimpl`` functions) in-process."""
+        self._pm.register(plugin, name=name)
+        self._backends = None
+        self._selected.clear()
+
+    @property
+    def load_errors(self) -> dict[str, str]:
+        """``{plugin name: error}`` for plugins that failed to load."""
+        return {k: v for k, v in self._load_errors.items() if not k.endswith(":traceback")}
+
+    def backends(self) -> list[Backend]:
+        """Every discovered backend, highest priority first."""
+        with self._lock:
+            if self._backends is None:
+                found: dict[str, Backend] = {}
+                for result in self._pm.hook.pagedprefill_backends():
+                    for backend in result or ():
+                        found.setdefault(backend.name, backend)
+                self._backends = found
+            return sorted(self._backends.values(), key=lambda b: (-b.priority, b.name))
+
+    def get(self, name: str) -> Backend:
+        """The backend called ``name``; raises with the known names (and load errors) if there is none."""
+        for backend in self.backends():
+            if backend.name == name:
+                return backend
+        if name in self._load_errors:
+            raise BackendUnavailableError(
+                f"backend {name!r} was requested but its plugin failed to load: {self._load_errors[name]}"
+            )
+        known = ", ".join(b.name for b in self.backends()) or "none"
+        raise BackendUnavailableError(
+            f"backend {name!r} was requested but is not installed; discovered backends: {known}"
+        )
+
+    # -- selection -------------------------------------------------------------------------------
+    def status(self, device: DeviceInfo) -> list[BackendStatus]:
+        """Every backend (and every plugin that failed to load) with its reasons for ``device``."""
+        rows = [BackendStatus(b.name, b.priority, tuple(_safe_supports(b, device)), b) for b in self.backends()]
+        rows += [BackendStatus(name, None, (f"plugin failed to load: {err}",)) for name, err in
+                 self.load_errors.items()]
+        return rows
+
+    def select(self, device: DeviceInfo, backend: Union[str, Backend, None] = None) -> Backend:
+        """Pick the backend for ``device`` following the module's rules (cached per device and choice)."""
+        if isinstance(backend, Backend):
+            return self._require(backend, device)
+        env = os.environ.get(ENV_BACKEND, "").strip()
+        key = (device, backend, env)
+        chosen = self._selected.get(key)
+        if chosen is None:
+            chosen = self._select_uncached(device, backend, env)
+            self._selected[key] = chosen
+        return chosen
+
+    def _select_uncached(self, device: DeviceInfo, backend: Optional[str], env: str) -> Backend:
+        if backend is not None:
+            return self._require(self.get(backend), device)
+        if env:
+            names = [n.strip() for n in env.split(",") if n.strip()]
+            problems = []
+            for name in names:
+                try:
+                    candidate = self.get(name)
+                except BackendUnavailableError as exc:
+                    problems.append(f"  - {name}: {exc}")
+                    continue
+                reasons = _safe_supports(candidate, device)
+                if not reasons:
+                    return candidate
+                problems.append(f"  - {name}: " + "; ".join(reasons))
+            raise BackendUnavailableError(
+                f"{ENV_BACKEND}={env!r} names no backend that can run on {device.describe()}:\n"
+                + "\n".join(problems) + f"\nUnset {ENV_BACKEND} to choose automatically."
+            )
+        for candidate in self.backends():
+            if not _safe_supports(candidate, device):
+                return candidate
+        raise BackendUnavailableError(self.no_backend_message(device))
+
+    def _require(self, backend: Backend, device: DeviceInfo) -> Backend:
+        reasons = _safe_supports(backend, device)
+        if reasons:
+            raise BackendUnavailableError(
+                f"backend {backend.name!r} was requested but cannot run on {device.describe()}: "
+                + "; ".join(reasons)
+            )
+        return backend
+
+    def no_backend_message(self, device: DeviceInfo) -> str:
+        lines = [f"no pagedprefill backend can run on {device.describe()}.", "Discovered backends:"]
+        for row in self.status(device):
+            why = "; ".join(row.reasons) or "supported"
+            lines.append(f"  - {row.name} (priority {row.priority}): {why}")
+        if len(lines) == 2:
+            lines.append("  (none)")
+        lines.append(
+            "Install a backend package for this device (pagedprefill-sm80, pagedprefill-bi100, "
+            "pagedprefill-generic), move the tensors to a supported device, or choose one explicitly with "
+            f"backend=... or {ENV_BACKEND}=name[,name...]."
+        )
+        return "\n".join(lines)
+
+
+def _safe_supports(backend: Backend, device: DeviceInfo) -> list[str]:
+    try:
+        return list(backend.supports(device))
+    except Exception as exc:  # a backend's own check failing is a reason, not a crash
+        return [f"supports() raised {type(exc).__name__}: {exc}"]

@@ -1,0 +1,127 @@
+"""Random paged batches for tests, the demo and benchmarks.
+
+Data is N(0, 1) (never zeros), lengths are ragged, and each sequence's blocks are a random subset of the
+cache in shuffled order, with unused blocks also filled with random data, so wrong indexing shows.
+The output is poisoned with NaN so that an unwritten element fails any comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ..cache import allocate_cache, fp8_scale_for, quantize_fp8
+from ..types import AttentionOptions, BatchMetadata, KVCacheDType, PrefillProblem
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """Everything that defines a random batch. ``query_lens[i]``/``context_lens[i]`` per sequence."""
+
+    query_lens: Sequence[int] = (5, 1, 17)
+    context_lens: Sequence[int] = (9, 0, 33)
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_size: int = 32
+    block_size: int = 8
+    dtype: torch.dtype = torch.float16
+    kv_cache_dtype: str = "auto"
+    layout: str = "nhd"
+    alibi: bool = False
+    sliding_window: Optional[int] = None
+    softcap: float = 0.0
+    sinks: bool = False
+    sm_scale: Optional[float] = None
+    scale_as_tensor: bool = False
+    start_loc_entries: str = "B+1"
+    spare_blocks: int = 3
+    seed: int = 0
+
+    def replace(self, **changes) -> BatchSpec:
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        parts = [f"q={list(self.query_lens)}", f"ctx={list(self.context_lens)}",
+                 f"H={self.num_heads}/{self.num_kv_heads}", f"D={self.head_size}", f"bs={self.block_size}",
+                 str(self.dtype).replace("torch.", ""), self.layout]
+        if self.kv_cache_dtype != "auto":
+            parts.append(self.kv_cache_dtype)
+        for flag in ("alibi", "sinks", "scale_as_tensor"):
+            if getattr(self, flag):
+                parts.append(flag)
+        if self.sliding_window:
+            parts.append(f"window={self.sliding_window}")
+        if self.softcap:
+            parts.append(f"softcap={self.softcap}")
+        if self.sm_scale is not None:
+            parts.append(f"sm_scale={self.sm_scale}")
+        return " ".join(parts)
+
+
+def make_problem(spec: BatchSpec, device="cpu") -> PrefillProblem:
+    """Build a random :class:`PrefillProblem` for ``spec`` on ``device`` (output poisoned with NaN)."""
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(spec.seed)
+
+    def randn(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+
+    qlens, clens = list(spec.query_lens), list(spec.context_lens)
+    B = len(qlens)
+    T = sum(qlens)
+    H, Hkv, D, bs = spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size
+    blocks_per_seq = [-(-c // bs) for c in clens]
+    width = max(blocks_per_seq + [1])
+    num_blocks = sum(blocks_per_seq) + spec.spare_blocks
+    kv_dtype = KVCacheDType.parse(spec.kv_cache_dtype)
+    cache = allocate_cache(num_blocks, bs, Hkv, D, spec.dtype, layout=spec.layout, kv_cache_dtype=kv_dtype,
+                           device=device)
+    k_scale = v_scale = 1.0
+    if kv_dtype.is_fp8:
+        k_full, v_full = randn(*cache.key.shape), randn(*cache.value.shape)
+        k_scale, v_scale = fp8_scale_for(k_full, kv_dtype), fp8_scale_for(v_full, kv_dtype)
+        cache.key.copy_(quantize_fp8(k_full, k_scale, kv_dtype))
+        cache.value.copy_(quantize_fp8(v_full, v_scale, kv_dtype))
+        if spec.scale_as_tensor:
+            k_scale = torch.tensor([k_scale], dtype=torch.float32, device=device)
+            v_scale = torch.tensor(v_scale, dtype=torch.float32, device=device)
+    else:
+        cache.key.copy_(randn(*cache.key.shape, dtype=spec.dtype))
+        cache.value.copy_(randn(*cache.value.shape, dtype=spec.dtype))
+    cache = dataclasses.replace(cache, k_scale=k_scale, v_scale=v_scale)
+
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.randint(0, num_blocks, (B, width), generator=gen, dtype=torch.int32)  # unused columns: junk
+    used = 0
+    for i, n in enumerate(blocks_per_seq):
+        table[i, :n] = perm[used:used + n].to(torch.int32)
+        used += n
+    batch = BatchMetadata.from_lengths(qlens, clens, table, device=device)
+    if spec.start_loc_entries == "B":
+        batch = dataclasses.replace(batch, query_start=batch.query_start[:B])
+
+    q = randn(T, H, D, dtype=spec.dtype)
+    k = randn(T, Hkv, D, dtype=spec.dtype)
+    v = randn(T, Hkv, D, dtype=spec.dtype)
+    out = torch.full_like(q, float("nan"))
+    options = AttentionOptions(
+        sm_scale=spec.sm_scale,
+        alibi_slopes=(randn(H).abs() * 0.5) if spec.alibi else None,
+        sliding_window=spec.sliding_window,
+        softcap=spec.softcap,
+        sinks=randn(H) if spec.sinks else None,
+    )
+    return PrefillProblem(q=q, k=k, v=v, out=out, cache=cache, batch=batch, options=options)
+
+
+def with_output(problem: PrefillProblem, out: torch.Tensor) -> PrefillProblem:
+    """The same problem writing into ``out``."""
+    return dataclasses.replace(problem, out=out)
+
+
+def fresh_output(problem: PrefillProblem) -> PrefillProblem:
+    """The same problem with a new NaN-poisoned output tensor."""
+    return with_output(problem, torch.full_like(problem.q, float("nan")))

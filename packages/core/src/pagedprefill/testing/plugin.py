@@ -1,0 +1,52 @@
+"""pytest plugin (entry point ``pytest11``): options and fixtures of the conformance suite."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .batches import BatchSpec, make_problem
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("pagedprefill")
+    group.addoption("--pagedprefill-device", default=None,
+                    help="device for conformance tests (default: cuda when available, else cpu)")
+    group.addoption("--pagedprefill-size", default=None, choices=("small", "large"),
+                    help="case sizes: small (interpreter-friendly) or large (default on GPUs)")
+    group.addoption("--pagedprefill-sweep", type=int, default=None,
+                    help="number of random cases in the conformance sweep (default 6 on CPU, 200 on GPU)")
+
+
+@pytest.fixture(scope="session")
+def pagedprefill_device(request) -> torch.device:
+    """The torch device the conformance suite runs on."""
+    name = request.config.getoption("--pagedprefill-device")
+    if name is None:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        pytest.skip(f"--pagedprefill-device={name} but torch sees no CUDA device")
+    return device
+
+
+@pytest.fixture(scope="session")
+def pagedprefill_size(request, pagedprefill_device) -> str:
+    size = request.config.getoption("--pagedprefill-size")
+    return size or ("small" if pagedprefill_device.type == "cpu" else "large")
+
+
+@pytest.fixture(scope="session")
+def pagedprefill_sweep(request, pagedprefill_device) -> int:
+    n = request.config.getoption("--pagedprefill-sweep")
+    return n if n is not None else (6 if pagedprefill_device.type == "cpu" else 200)
+
+
+@pytest.fixture
+def make_paged_batch(pagedprefill_device):
+    """Factory fixture: ``make_paged_batch(**BatchSpec fields)`` -> a random PrefillProblem."""
+
+    def build(**fields):
+        return make_problem(BatchSpec(**fields), pagedprefill_device)
+
+    return build

@@ -1,0 +1,176 @@
+"""Tiling-policy types shared by all backends.
+
+A backend's policy maps a :class:`ProblemShape` (what a call looks like, without its data) and a
+:class:`~pagedprefill.device.DeviceInfo` to a :class:`TileConfig`. Policies are plain callables, so a
+table-driven policy, a rule set or a tuned lookup all fit the :class:`TilingPolicy` protocol.
+
+Shared-memory model (:meth:`TileConfig.shared_mem_bytes`). Triton stages the operands of ``tl.dot`` in
+shared memory. Per program the kernel holds:
+
+* the Q tile, ``block_m x D_pad`` elements (loaded once, staged for the first dot);
+* a K tile and a V tile, ``block_n x D_pad`` each, multiplied by ``num_stages`` when the loop is software
+  pipelined (each stage is one buffer of both);
+* the probability tile P, ``block_m x block_n`` elements, converted through shared memory to feed the
+  second dot.
+
+``D_pad`` is the head size rounded up to a power of two (at least 16), and the element size is that of the
+compute dtype (FP8 caches are dequantised to the query dtype before the dot). The model is an upper
+estimate: the compiler may reuse buffers and allocate less; the GPU tests compare it with what Triton
+reports for compiled kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional, Protocol, runtime_checkable
+
+import torch
+
+from .device import DeviceInfo
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def padded_head_size(head_size: int) -> int:
+    """Head size as the kernels hold it in registers: a power of two, at least 16 (``tl.dot``'s minimum)."""
+    return max(16, next_power_of_2(head_size))
+
+
+@dataclass(frozen=True)
+class ProblemShape:
+    """The data-free description of a call that tiling policies decide on.
+
+    ``max_query_len`` is the caller's hint (None when not given); ``num_tokens``/``num_seqs`` are the tensor
+    extents, so a policy can tell a batch of short queries from a long prefill without reading lengths.
+    """
+
+    head_size: int
+    num_heads: int
+    num_kv_heads: int
+    dtype: torch.dtype
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    num_tokens: int = 0
+    num_seqs: int = 1
+    max_query_len: Optional[int] = None
+    sliding_window: int = 0
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (1 for MHA)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def head_size_padded(self) -> int:
+        return padded_head_size(self.head_size)
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def query_len_bound(self) -> int:
+        """Best host-side upper bound of one sequence's new tokens (no device read)."""
+        return self.max_query_len if self.max_query_len is not None else self.num_tokens
+
+    @property
+    def workload(self) -> str:
+        """``"short"`` when sequences bring few new tokens on average (decode-like), else ``"long"``."""
+        mean = self.num_tokens / max(1, self.num_seqs)
+        return "short" if min(mean, self.query_len_bound) <= 256 else "long"
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """How one launch is tiled.
+
+    Attributes:
+        block_m: rows of a query tile; each row is one (token, query head) pair.
+        block_n: keys per inner-loop step.
+        num_warps: warps per program (a power of two).
+        num_stages: software-pipelining depth of the key loop (1 = none).
+        heads_per_tile: query heads of one KV group packed into a tile, so their K/V tiles are read once.
+            ``block_m // heads_per_tile`` tokens share a tile. 1 = one head per program.
+        split_masks: run unmasked key tiles without mask arithmetic and masked tiles (diagonal, window
+            edges, tails) separately. False applies every mask to every tile (smaller code).
+    """
+
+    block_m: int = 64
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 1
+    heads_per_tile: int = 1
+    split_masks: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"TileConfig.{name}: expected a power of two >= 1, got {v}")
+        if self.block_m < 16 or self.block_n < 16:
+            raise ValueError(f"TileConfig: block_m and block_n must be >= 16 (tl.dot), got {self.block_m}, "
+                             f"{self.block_n}")
+        if self.num_stages < 1:
+            raise ValueError(f"TileConfig.num_stages: expected >= 1, got {self.num_stages}")
+        if not 1 <= self.heads_per_tile <= self.block_m:
+            raise ValueError(f"TileConfig.heads_per_tile: expected 1..block_m={self.block_m}, "
+                             f"got {self.heads_per_tile}")
+
+    @property
+    def tokens_per_tile(self) -> int:
+        return self.block_m // self.heads_per_tile
+
+    def shared_mem_bytes(self, head_size: int, element_size: int) -> int:
+        """Estimated shared memory per program (see the module docstring for the model)."""
+        d = padded_head_size(head_size)
+        stages = max(1, self.num_stages)
+        q_tile = self.block_m * d
+        kv_tiles = 2 * self.block_n * d * stages
+        p_tile = self.block_m * self.block_n
+        return element_size * (q_tile + kv_tiles + p_tile)
+
+    def fits(self, head_size: int, element_size: int, device: DeviceInfo) -> bool:
+        return self.shared_mem_bytes(head_size, element_size) <= device.max_shared_mem
+
+    def with_(self, **changes) -> TileConfig:
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return {"block_m": self.block_m, "block_n": self.block_n, "num_warps": self.num_warps,
+                "num_stages": self.num_stages, "heads_per_tile": self.heads_per_tile,
+                "split_masks": self.split_masks}
+
+
+@runtime_checkable
+class TilingPolicy(Protocol):
+    """``(problem shape, device) -> TileConfig``; each backend ships one."""
+
+    def __call__(self, shape: ProblemShape, device: DeviceInfo) -> TileConfig: ...
+
+
+def shrink_to_fit(config: TileConfig, shape: ProblemShape, device: DeviceInfo,
+                  budget: Optional[int] = None) -> TileConfig:
+    """Drop stages, then halve ``block_n``/``block_m`` until the config fits the shared-memory budget.
+
+    The shared rule every policy ends with, so no policy can hand a kernel a tile the device cannot hold.
+    ``budget`` defaults to the device's shared memory per block (48 KiB when unknown).
+    """
+    elem = shape.element_size
+    if budget is None:
+        budget = device.max_shared_mem or 48 * 1024
+    while config.shared_mem_bytes(shape.head_size, elem) > budget:
+        if config.num_stages > 2:
+            config = config.with_(num_stages=config.num_stages - 1)
+        elif config.block_n > 16 and config.block_n >= config.block_m // 2:
+            config = config.with_(block_n=config.block_n // 2)
+        elif config.block_m > 16:
+            config = config.with_(block_m=config.block_m // 2,
+                                  heads_per_tile=min(config.heads_per_tile, config.block_m // 2))
+        elif config.num_stages > 1:
+            config = config.with_(num_stages=1)
+        else:
+            break
+    return config

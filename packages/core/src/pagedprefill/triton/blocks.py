@@ -1,0 +1,154 @@
+"""Triton building blocks of prefix-prefill attention, shared by every backend.
+
+Each function is one job: locate the program's work, address either cache layout, load a K/V tile from the
+paged cache or from the new tokens, turn raw scores into masked log2-domain logits, take one online-softmax
+step, and finish a row (sinks, normalisation, FP8 value scale).
+
+Conventions: logits are kept in the log2 domain (``exp2`` with ``log2(e)`` folded into the scale); rows are
+(token, query head) pairs; every address is formed in 64-bit and clamped or masked by the tensor extents,
+so inconsistent metadata can never read or write out of bounds.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def scalar_or_load(value, ptr, FROM_PTR: tl.constexpr):
+    """A float argument, or the float behind a device pointer (scales given as tensors: no host sync)."""
+    if FROM_PTR:
+        return tl.load(ptr).to(tl.float32)
+    else:
+        return value
+
+
+@triton.jit
+def locate_tile(tile, query_start_ptr, num_seqs, TOKENS_PER_TILE: tl.constexpr):
+    """Map a flat tile index to (sequence, first token of the tile within the sequence).
+
+    Sequence ``s`` owns tiles ``[start[s] // TPT + s, start[s + 1] // TPT + s + 1)``, always at least
+    ``ceil(q_len / TPT)`` of them, so a grid of ``num_tokens // TPT + num_seqs`` tiles covers any batch
+    without reading lengths on the host. Binary search over ``start``.
+    """
+    lo = num_seqs * 0
+    hi = num_seqs + 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_ptr + mid) // TOKENS_PER_TILE + mid
+        lo = tl.where(first <= tile, mid, lo)
+        hi = tl.where(first <= tile, hi, mid)
+    first = tl.load(query_start_ptr + lo) // TOKENS_PER_TILE + lo
+    return lo, (tile - first) * TOKENS_PER_TILE
+
+
+@triton.jit
+def cache_kv_offsets(block_row_ptr, stride_table_col, table_width, num_blocks, pos, block_size, kv_head, offs_d,
+                     stride_kb, stride_kh, stride_kd, stride_kt, stride_kx,
+                     stride_vb, stride_vh, stride_vd, stride_vt, X: tl.constexpr):
+    """64-bit element offsets of cached keys (``[D, N]``, transposed for the dot) and values (``[N, D]``).
+
+    One formula serves both layouts: split K is ``page, head, d // X, slot, d % X``; NHD is the same with
+    ``stride_kd = 0`` and ``X`` larger than the head size. Out-of-range table columns and block numbers
+    are clamped (the keys they address are masked by the caller or belong to invalid metadata).
+    """
+    col = tl.maximum(tl.minimum(pos // block_size, table_width - 1), 0)
+    page = tl.load(block_row_ptr + col * stride_table_col).to(tl.int64)
+    page = tl.where((page >= 0) & (page < num_blocks), page, 0)
+    slot = (pos % block_size).to(tl.int64)
+    head = kv_head.to(tl.int64)
+    d = offs_d.to(tl.int64)
+    k_off = (page[None, :] * stride_kb + head * stride_kh + (d[:, None] // X) * stride_kd
+             + slot[None, :] * stride_kt + (d[:, None] % X) * stride_kx)
+    v_off = page[:, None] * stride_vb + head * stride_vh + d[None, :] * stride_vd + slot[:, None] * stride_vt
+    return k_off, v_off
+
+
+@triton.jit
+def new_kv_offsets(rows, kv_head, offs_d, stride_kt, stride_kh, stride_vt, stride_vh):
+    """64-bit offsets of the new tokens' keys (``[D, N]``) and values (``[N, D]``) at packed ``rows``."""
+    r = rows.to(tl.int64)
+    head = kv_head.to(tl.int64)
+    d = offs_d.to(tl.int64)
+    k_off = r[None, :] * stride_kt + head * stride_kh + d[:, None]
+    v_off = r[:, None] * stride_vt + head * stride_vh + d[None, :]
+    return k_off, v_off
+
+
+@triton.jit
+def soft_cap(s, cap):
+    """``cap * tanh(s / cap)``, written with ``exp2`` so it runs on every Triton target."""
+    e = tl.exp2(s * (2.0 * LOG2E / cap))
+    return cap - 2.0 * cap / (e + 1.0)
+
+
+@triton.jit
+def logits(q, k, qk_scale, softcap, alibi_slope2, q_pos, k_pos,
+           SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Scores of a ``[M, D] x [D, N]`` tile as log2-domain logits (scale, softcap, ALiBi applied).
+
+    ``qk_scale`` is ``sm_scale * k_scale * log2(e)`` without softcap, ``sm_scale * k_scale`` with it;
+    ``alibi_slope2`` is the per-row slope times ``log2(e)``.
+    """
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+    if SOFTCAP:
+        s = soft_cap(s, softcap) * LOG2E
+    if ALIBI:
+        s += alibi_slope2[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
+    return s
+
+
+@triton.jit
+def visible(q_pos, k_pos, k_valid, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """``[M, N]`` mask of the keys each row may see: valid, causal (bottom-right) and inside the window."""
+    mask = k_valid[None, :] & (q_pos[:, None] >= 0)
+    if CAUSAL:
+        mask = mask & (k_pos[None, :] <= q_pos[:, None])
+    if WINDOW:
+        mask = mask & (q_pos[:, None] - k_pos[None, :] < window)
+    return mask
+
+
+@triton.jit
+def online_softmax_step(s, v, acc, m_i, l_i, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of log2 logits ``s`` and values ``v`` into the running (acc, max, sum); unnormalised.
+
+    Rows whose logits so far are all ``-inf`` keep ``m = -inf`` and contribute nothing (no NaN).
+    """
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def finish_rows(acc, m_i, l_i, sink2, out_scale, SINKS: tl.constexpr):
+    """Normalise the accumulator; add the sink's mass to the denominator; apply the FP8 value scale.
+
+    A row with nothing visible (and no sink mass) is written as zeros.
+    """
+    if SINKS:
+        m_fin = tl.maximum(m_i, sink2)
+        rescale = tl.exp2(m_i - m_fin)
+        l_i = l_i * rescale + tl.exp2(sink2 - m_fin)
+        acc = acc * rescale[:, None]
+    inv = tl.where(l_i > 0.0, out_scale / l_i, 0.0)
+    return acc * inv[:, None]
+
+
+@triton.jit
+def split_range(start, end, full_lo, full_hi, BLOCK_N: tl.constexpr):
+    """Split the tile loop ``[start, end)`` (``start`` aligned to ``BLOCK_N``) around its mask-free middle.
+
+    ``full_lo``/``full_hi`` bound the keys every row sees without masking; they are rounded inwards to tile
+    boundaries. Returns ``(a, b)``: tiles in ``[start, a)`` and ``[b, end)`` need masks, ``[a, b)`` do not.
+    """
+    lo = start + tl.cdiv(tl.maximum(full_lo - start, 0), BLOCK_N) * BLOCK_N
+    hi = start + (tl.maximum(tl.minimum(full_hi, end) - start, 0) // BLOCK_N) * BLOCK_N
+    a = tl.minimum(lo, hi)
+    b = tl.maximum(a, hi)
+    return a, b

@@ -1,0 +1,201 @@
+"""The prefix-prefill kernel, composed from :mod:`pagedprefill.triton.blocks`.
+
+One program computes one tile: ``BLOCK_M`` rows, each a (new token, query head) pair, where
+``HEADS_PER_TILE`` query heads of one KV group share the tile so that every K/V tile is loaded once for
+all of them (GQA packing). The program walks the keys it can see in two phases, the cached prefix (paged)
+and the new tokens (dense), and in each phase runs the mask-free middle tiles without mask arithmetic and
+only the edge tiles (window start, cache tail, causal diagonal) with masks. Tiles wholly outside the
+sliding window are never visited.
+
+Backends differ only by the :class:`~pagedprefill.tiling.TileConfig` their policy picks (tile sizes,
+warps, pipelining depth, packing, whether to split masked tiles), never by a copy of this body.
+"""
+
+import triton
+import triton.language as tl
+
+from .blocks import (
+    cache_kv_offsets,
+    finish_rows,
+    locate_tile,
+    logits,
+    new_kv_offsets,
+    online_softmax_step,
+    scalar_or_load,
+    split_range,
+    visible,
+)
+
+
+@triton.jit
+def _cache_phase(acc, m_i, l_i, q, q_pos, alibi2, start, end, ctx_len, window, softcap, qk_scale,
+                 K_cache, V_cache, block_row_ptr, stride_table_col, table_width, num_blocks, block_size, kv_head, offs_d, d_mask,
+                 stride_kb, stride_kh, stride_kd, stride_kt, stride_kx,
+                 stride_vb, stride_vh, stride_vd, stride_vt,
+                 X: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
+                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Attend to cached positions ``[start, end)`` of the paged cache, ``BLOCK_N`` at a time."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        k_valid = pos < ctx_len
+        k_off, v_off = cache_kv_offsets(block_row_ptr, stride_table_col, table_width, num_blocks, pos, block_size, kv_head,
+                                        offs_d, stride_kb, stride_kh, stride_kd, stride_kt, stride_kx,
+                                        stride_vb, stride_vh, stride_vd, stride_vt, X)
+        if MASKED:
+            k = tl.load(K_cache + k_off, mask=d_mask[:, None] & k_valid[None, :], other=0.0)
+            v = tl.load(V_cache + v_off, mask=k_valid[:, None] & d_mask[None, :], other=0.0)
+        else:
+            k = tl.load(K_cache + k_off, mask=d_mask[:, None], other=0.0)
+            v = tl.load(V_cache + v_off, mask=d_mask[None, :], other=0.0)
+        s = logits(q, k.to(q.dtype), qk_scale, softcap, alibi2, q_pos, pos, SOFTCAP, ALIBI, DOT_PRECISION)
+        if MASKED:
+            s = tl.where(visible(q_pos, pos, k_valid, window, False, WINDOW), s, float("-inf"))
+        acc, m_i, l_i = online_softmax_step(s, v.to(q.dtype), acc, m_i, l_i, DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _new_phase(acc, m_i, l_i, q, q_pos, alibi2, start, end, ctx_len, q_len, seq_row0, num_tokens, window,
+               softcap, qk_scale, K, V, kv_head, offs_d, d_mask, stride_kt, stride_kh, stride_vt, stride_vh,
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+               ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Attend to new tokens ``[start, end)`` (indices within the sequence's new tokens), causally."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for j0 in range(start, end, BLOCK_N):
+        j = j0 + offs_n
+        rows = seq_row0 + j
+        k_off, v_off = new_kv_offsets(rows, kv_head, offs_d, stride_kt, stride_kh, stride_vt, stride_vh)
+        pos = ctx_len + j
+        if MASKED:
+            k_valid = (j < q_len) & (rows >= 0) & (rows < num_tokens)
+            k = tl.load(K + k_off, mask=d_mask[:, None] & k_valid[None, :], other=0.0)
+            v = tl.load(V + v_off, mask=k_valid[:, None] & d_mask[None, :], other=0.0)
+        else:
+            k = tl.load(K + k_off, mask=d_mask[:, None], other=0.0)
+            v = tl.load(V + v_off, mask=d_mask[None, :], other=0.0)
+        s = logits(q, k, qk_scale, softcap, alibi2, q_pos, pos, SOFTCAP, ALIBI, DOT_PRECISION)
+        if MASKED:
+            s = tl.where(visible(q_pos, pos, k_valid, window, True, WINDOW), s, float("-inf"))
+        acc, m_i, l_i = online_softmax_step(s, v, acc, m_i, l_i, DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def prefix_prefill_kernel(
+    Q, K, V, Out, K_cache, V_cache, block_table, query_start, seq_lens, ctx_lens, alibi_slopes, sinks,
+    k_scale_ptr, v_scale_ptr,
+    sm_scale, k_scale, v_scale, softcap, window,
+    num_seqs, num_tokens, num_blocks, table_width, block_size, group_size,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_ckb, stride_ckh, stride_ckd, stride_ckt, stride_ckx,
+    stride_cvb, stride_cvh, stride_cvd, stride_cvt,
+    stride_table_seq, stride_table_col,
+    HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr, X: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_PER_TILE: tl.constexpr, HEAD_CHUNKS: tl.constexpr,
+    SPLIT_MASKS: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    SINKS: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    TOKENS_PER_TILE: tl.constexpr = BLOCK_M // HEADS_PER_TILE
+    seq, tok0 = locate_tile(tl.program_id(0), query_start, num_seqs, TOKENS_PER_TILE)
+    seq_row0 = tl.load(query_start + seq)
+    ctx_len = tl.load(ctx_lens + seq)
+    q_len = tl.load(seq_lens + seq) - ctx_len
+    if tok0 >= q_len:
+        return
+    kv_head = tl.program_id(1) // HEAD_CHUNKS
+    chunk = tl.program_id(1) % HEAD_CHUNKS
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_SIZE_PADDED)
+    d_mask = offs_d < HEAD_SIZE
+    tok = tok0 + offs_m // HEADS_PER_TILE
+    head_in_group = chunk * HEADS_PER_TILE + offs_m % HEADS_PER_TILE
+    head = kv_head * group_size + head_in_group
+    q_rows = seq_row0 + tok
+    row_ok = (tok < q_len) & (head_in_group < group_size) & (q_rows >= 0) & (q_rows < num_tokens)
+    q_pos = tl.where(row_ok, ctx_len + tok, -1)
+
+    q_off = q_rows.to(tl.int64)[:, None] * stride_qt + head.to(tl.int64)[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(Q + q_off, mask=row_ok[:, None] & d_mask[None, :], other=0.0)
+
+    k_scale_v = scalar_or_load(k_scale, k_scale_ptr, K_SCALE_PTR)
+    v_scale_v = scalar_or_load(v_scale, v_scale_ptr, V_SCALE_PTR)
+    # FP8 scales are folded, never applied per element: k_scale into the cached keys' logit scale, v_scale
+    # into the accumulator once the cached phase is done (new tokens' K/V are not quantised).
+    if SOFTCAP:
+        qk_scale = sm_scale
+    else:
+        qk_scale = sm_scale * 1.4426950408889634
+    qk_scale_cache = qk_scale * k_scale_v
+    alibi2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if ALIBI:
+        alibi2 = tl.load(alibi_slopes + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
+
+    tok_last = tl.minimum(tok0 + TOKENS_PER_TILE, q_len) - 1
+    pos_first = ctx_len + tok0
+    pos_last = ctx_len + tok_last
+    # Lowest key any row of the tile sees; with a window, keys below it are skipped entirely.
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(pos_first - window + 1, 0)
+    # Keys every row sees (no window mask needed) start here:
+    full_from = 0
+    if WINDOW:
+        full_from = tl.maximum(pos_last - window + 1, 0)
+
+    block_row_ptr = block_table + seq.to(tl.int64) * stride_table_seq
+    c_start = (lo // BLOCK_N) * BLOCK_N
+    c_end = ctx_len
+    if SPLIT_MASKS:
+        a, b = split_range(c_start, c_end, full_from, ctx_len, BLOCK_N)
+    else:
+        a, b = c_start, c_start
+    acc, m_i, l_i = _cache_phase(acc, m_i, l_i, q, q_pos, alibi2, c_start, a, ctx_len, window, softcap, qk_scale_cache,
+                                 K_cache, V_cache, block_row_ptr, stride_table_col, table_width, num_blocks, block_size, kv_head,
+                                 offs_d, d_mask, stride_ckb, stride_ckh, stride_ckd, stride_ckt, stride_ckx,
+                                 stride_cvb, stride_cvh, stride_cvd, stride_cvt,
+                                 X, BLOCK_N, True, WINDOW, SOFTCAP, ALIBI, DOT_PRECISION)
+    acc, m_i, l_i = _cache_phase(acc, m_i, l_i, q, q_pos, alibi2, a, b, ctx_len, window, softcap, qk_scale_cache,
+                                 K_cache, V_cache, block_row_ptr, stride_table_col, table_width, num_blocks, block_size, kv_head,
+                                 offs_d, d_mask, stride_ckb, stride_ckh, stride_ckd, stride_ckt, stride_ckx,
+                                 stride_cvb, stride_cvh, stride_cvd, stride_cvt,
+                                 X, BLOCK_N, False, WINDOW, SOFTCAP, ALIBI, DOT_PRECISION)
+    acc, m_i, l_i = _cache_phase(acc, m_i, l_i, q, q_pos, alibi2, b, c_end, ctx_len, window, softcap, qk_scale_cache,
+                                 K_cache, V_cache, block_row_ptr, stride_table_col, table_width, num_blocks, block_size, kv_head,
+                                 offs_d, d_mask, stride_ckb, stride_ckh, stride_ckd, stride_ckt, stride_ckx,
+                                 stride_cvb, stride_cvh, stride_cvd, stride_cvt,
+                                 X, BLOCK_N, True, WINDOW, SOFTCAP, ALIBI, DOT_PRECISION)
+
+    acc = acc * v_scale_v
+
+    # New tokens, indexed from 0 within the sequence: causal up to the tile's last token.
+    n_start = (tl.maximum(lo - ctx_len, 0) // BLOCK_N) * BLOCK_N
+    n_end = tok_last + 1
+    if SPLIT_MASKS:
+        # Mask-free tiles must also lie inside q/k/v whatever the metadata says.
+        full_to = tl.where(seq_row0 >= 0, tl.minimum(tok0 + 1, num_tokens - seq_row0), 0)
+        a, b = split_range(n_start, n_end, full_from - ctx_len, full_to, BLOCK_N)
+    else:
+        a, b = n_start, n_start
+    acc, m_i, l_i = _new_phase(acc, m_i, l_i, q, q_pos, alibi2, n_start, a, ctx_len, q_len, seq_row0, num_tokens,
+                               window, softcap, qk_scale, K, V, kv_head, offs_d, d_mask, stride_kt, stride_kh,
+                               stride_vt, stride_vh, BLOCK_N, True, WINDOW, SOFTCAP, ALIBI, DOT_PRECISION)
+    acc, m_i, l_i = _new_phase(acc, m_i, l_i, q, q_pos, alibi2, a, b, ctx_len, q_len, seq_row0, num_tokens,
+                               window, softcap, qk_scale, K, V, kv_head, offs_d, d_mask, stride_kt, stride_kh,
+                               stride_vt, stride_vh, BLOCK_N, False, WINDOW, SOFTCAP, ALIBI, DOT_PRECISION)
+    acc, m_i, l_i = _new_phase(acc, m_i, l_i, q, q_pos, alibi2, b, n_end, ctx_len, q_len, seq_row0, num_tokens,
+                               window, softcap, qk_scale, K, V, kv_head, offs_d, d_mask, stride_kt, stride_kh,
+                               stride_vt, stride_vh, BLOCK_N, True, WINDOW, SOFTCAP, ALIBI, DOT_PRECISION)
+
+    sink2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if SINKS:
+        sink2 = tl.load(sinks + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    out = finish_rows(acc, m_i, l_i, sink2, 1.0, SINKS)
+    o_off = q_rows.to(tl.int64)[:, None] * stride_ot + head.to(tl.int64)[:, None] * stride_oh + offs_d[None, :]
+    tl.store(Out + o_off, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])

@@ -1,0 +1,229 @@
+"""Typed descriptions of a prefix-prefill call: batch metadata, the paged KV cache, and options.
+
+These are the objects of the native API (:func:`pagedprefill.prefill_attention`). The drop-in
+:func:`pagedprefill.context_attention_fwd` builds the same objects from its positional arguments, so
+both APIs reach the backends through one path.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+
+ScaleLike = Union[float, torch.Tensor]
+
+
+class KVLayout(str, enum.Enum):
+    """Memory layout of a paged KV cache.
+
+    ``SPLIT`` is the layout of the original prefix-prefill kernel: K is 5-D
+    ``[num_blocks, Hkv, D // x, block_size, x]`` with ``x`` elements making 16 bytes, and V is 4-D
+    ``[num_blocks, Hkv, D, block_size]``.
+
+    ``NHD`` is ``[num_blocks, block_size, Hkv, D]`` for both K and V.
+    """
+
+    SPLIT = "split"
+    NHD = "nhd"
+
+
+class KVCacheDType(str, enum.Enum):
+    """How cache elements are stored: in the model dtype, or as FP8 bytes (``uint8``) with a scale."""
+
+    AUTO = "auto"
+    FP8_E4M3 = "fp8_e4m3"
+    FP8_E5M2 = "fp8_e5m2"
+
+    @classmethod
+    def parse(cls, value: Union[str, KVCacheDType]) -> KVCacheDType:
+        """Accept the spellings used by serving engines: ``auto``, ``fp8``, ``fp8_e4m3``, ``fp8_e5m2``."""
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, str):
+            raise TypeError(
+                f"kv_cache_dtype: expected a str such as 'auto', 'fp8', 'fp8_e4m3' or 'fp8_e5m2', "
+                f"got {type(value).__name__}"
+            )
+        aliases = {"auto": cls.AUTO, "fp8": cls.FP8_E4M3, "fp8_e4m3": cls.FP8_E4M3, "fp8_e5m2": cls.FP8_E5M2}
+        try:
+            return aliases[value.lower()]
+        except KeyError:
+            raise ValueError(
+                f"kv_cache_dtype: expected one of {sorted(aliases)}, got {value!r}"
+            ) from None
+
+    @property
+    def is_fp8(self) -> bool:
+        return self is not KVCacheDType.AUTO
+
+    @property
+    def torch_dtype(self) -> Optional[torch.dtype]:
+        """The float8 dtype the stored bytes are reinterpreted as, or None for ``auto``."""
+        return {
+            KVCacheDType.AUTO: None,
+            KVCacheDType.FP8_E4M3: torch.float8_e4m3fn,
+            KVCacheDType.FP8_E5M2: torch.float8_e5m2,
+        }[self]
+
+
+@dataclass(frozen=True)
+class BatchMetadata:
+    """Where each sequence of the batch lives.
+
+    Attributes:
+        query_start: ``[B]`` or ``[B + 1]`` int tensor, offset of each sequence's first new token in the
+            packed ``q``/``k``/``v``/output tensors (sequences are packed in order).
+        seq_lens: ``[B]`` int tensor, ``context + new`` tokens of each sequence.
+        context_lens: ``[B]`` int tensor, cached tokens of each sequence (may be 0).
+        block_table: ``[B, max_blocks_per_seq]`` int tensor, physical cache block of each logical block.
+        max_query_len: optional host int, an upper bound of the new tokens of any sequence. Never
+            required: kernels size their grid from tensor shapes and never read lengths on the host.
+    """
+
+    query_start: torch.Tensor
+    seq_lens: torch.Tensor
+    context_lens: torch.Tensor
+    block_table: torch.Tensor
+    max_query_len: Optional[int] = None
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @classmethod
+    def from_lengths(
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_table: torch.Tensor,
+        device: Union[str, torch.device, None] = None,
+    ) -> BatchMetadata:
+        """Build metadata from host lists of new-token and context lengths (a convenience for tests/tools)."""
+        device = block_table.device if device is None else torch.device(device)
+        q = torch.tensor(query_lens, dtype=torch.int32)
+        c = torch.tensor(context_lens, dtype=torch.int32)
+        start = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        start[1:] = torch.cumsum(q, 0)
+        return cls(
+            query_start=start.to(device),
+            seq_lens=(q + c).to(device),
+            context_lens=c.to(device),
+            block_table=block_table.to(device),
+            max_query_len=max(query_lens, default=0),
+        )
+
+
+@dataclass(frozen=True)
+class PagedKVCache:
+    """A paged KV cache in either :class:`KVLayout`, with its storage dtype and dequantisation scales.
+
+    Attributes:
+        key, value: the cache tensors (see :class:`KVLayout` for their shapes).
+        layout: which layout ``key``/``value`` use.
+        dtype: ``auto`` (stored in the model dtype) or an FP8 format (stored as ``uint8``).
+        k_scale, v_scale: dequantisation scales for FP8 (a float, or a 0-d/1-element float tensor, which
+            is read on the device without a host sync). Ignored for ``auto``.
+    """
+
+    key: torch.Tensor
+    value: torch.Tensor
+    layout: KVLayout = KVLayout.NHD
+    dtype: KVCacheDType = KVCacheDType.AUTO
+    k_scale: ScaleLike = 1.0
+    v_scale: ScaleLike = 1.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layout", KVLayout(self.layout))
+        object.__setattr__(self, "dtype", KVCacheDType.parse(self.dtype))
+
+    @property
+    def block_size(self) -> int:
+        return int(self.key.shape[3] if self.layout is KVLayout.SPLIT else self.key.shape[1])
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.key.shape[0])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.key.shape[1] if self.layout is KVLayout.SPLIT else self.key.shape[2])
+
+    @property
+    def head_size(self) -> int:
+        if self.layout is KVLayout.SPLIT:
+            return int(self.key.shape[2] * self.key.shape[4])
+        return int(self.key.shape[3])
+
+    @property
+    def x(self) -> int:
+        """Elements per innermost K chunk of the split layout (1 for NHD, where it does not apply)."""
+        return int(self.key.shape[4]) if self.layout is KVLayout.SPLIT else 1
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """Optional features of the attention itself.
+
+    Attributes:
+        sm_scale: softmax scale; ``None`` means ``1 / sqrt(head_size)``.
+        alibi_slopes: ``[H]`` float tensor; adds ``slope * (key_pos - query_pos)`` to the logits.
+        sliding_window: ``None`` or 0 for none; else a query sees keys with ``query_pos - key_pos < window``.
+        softcap: logit soft-capping ``c * tanh(s / c)`` applied to scaled logits before ALiBi; 0 = off.
+        sinks: ``[H]`` float tensor of per-head sink logits added to each softmax denominator.
+    """
+
+    sm_scale: Optional[float] = None
+    alibi_slopes: Optional[torch.Tensor] = None
+    sliding_window: Optional[int] = None
+    softcap: float = 0.0
+    sinks: Optional[torch.Tensor] = None
+
+    @property
+    def window(self) -> int:
+        """The sliding window as an int, 0 meaning none."""
+        return int(self.sliding_window or 0)
+
+
+@dataclass(frozen=True)
+class PrefillProblem:
+    """Everything one call computes: the unit that backends receive from dispatch.
+
+    ``out`` is written in place. ``q`` is ``[T, H, D]``; ``k``/``v`` are the new tokens' keys and values
+    ``[T, Hkv, D]``.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    cache: PagedKVCache
+    batch: BatchMetadata
+    options: AttentionOptions = field(default_factory=AttentionOptions)
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.q.shape[1])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.k.shape[1])
+
+    @property
+    def head_size(self) -> int:
+        return int(self.q.shape[2])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.q.shape[0])
+
+    @property
+    def sm_scale(self) -> float:
+        s = self.options.sm_scale
+        return float(s) if s is not None else self.head_size ** -0.5
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device

@@ -1,0 +1,274 @@
+"""Input validation: every error names the argument, what was expected and what was given.
+
+Two levels:
+
+* ``"basic"`` (the default on the hot path): shapes, dtypes, devices and option types. It reads no tensor
+  values, so it never synchronises with the device.
+* ``"full"``: additionally reads the metadata values (one device-to-host copy) and checks that lengths are
+  consistent, starts match lengths, and every block-table entry a sequence uses is a valid block.
+
+Independently of the level, the kernels bound every address they form by the tensor extents, so bad
+metadata can give wrong numbers but never an out-of-bounds access.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Optional
+
+import torch
+
+from .types import KVLayout, PagedKVCache, PrefillProblem
+
+ValidateMode = Literal["basic", "full"]
+
+MAX_HEAD_SIZE = 256
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def _expect_tensor(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def _expect_ndim(name: str, t: torch.Tensor, ndim: int, layout: str) -> None:
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor {layout}, got shape {_shape(t)}")
+
+
+def _expect_dtype(name: str, t: torch.Tensor, allowed: tuple, what: Optional[str] = None) -> None:
+    if t.dtype not in allowed:
+        names = what or " or ".join(str(d).replace("torch.", "") for d in allowed)
+        raise TypeError(f"{name}: expected dtype {names}, got {str(t.dtype).replace('torch.', '')}")
+
+
+def _expect_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (the device of q), got one on {t.device}")
+
+
+def expected_x(head_size: int, element_size: int) -> int:
+    """Elements per 16-byte chunk of the split K layout, reduced so that it divides ``head_size``."""
+    return math.gcd(head_size, max(1, 16 // element_size))
+
+
+def validate_problem(p: PrefillProblem, mode: ValidateMode = "basic") -> None:
+    """Check a problem before any kernel sees it; raise ``TypeError``/``ValueError`` naming the argument."""
+    if mode not in ("basic", "full"):
+        raise ValueError(f"validate: expected 'basic' or 'full', got {mode!r}")
+    _validate_tensors(p)
+    _validate_cache(p)
+    _validate_batch(p)
+    _validate_options(p)
+    if mode == "full":
+        validate_values(p)
+
+
+def _validate_tensors(p: PrefillProblem) -> None:
+    for name in ("q", "k", "v", "out"):
+        _expect_tensor(name, getattr(p, name))
+    q, k, v, out = p.q, p.k, p.v, p.out
+    _expect_ndim("q", q, 3, "[tokens, num_heads, head_size]")
+    _expect_ndim("k", k, 3, "[tokens, num_kv_heads, head_size]")
+    _expect_ndim("v", v, 3, "[tokens, num_kv_heads, head_size]")
+    _expect_ndim("out", out, 3, "[tokens, num_heads, head_size]")
+    _expect_dtype("q", q, FLOAT_DTYPES)
+    for name, t in (("k", k), ("v", v), ("out", out)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}: expected dtype {q.dtype} (the dtype of q), got {t.dtype}")
+        _expect_device(name, t, q.device)
+    T, H, D = q.shape
+    if not 1 <= D <= MAX_HEAD_SIZE:
+        raise ValueError(f"q: expected head_size (dim 2) in 1..{MAX_HEAD_SIZE}, got {D}")
+    if tuple(out.shape) != tuple(q.shape):
+        raise ValueError(f"out: expected shape {_shape(q)} (the shape of q), got {_shape(out)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[0] != T or t.shape[2] != D:
+            raise ValueError(
+                f"{name}: expected shape [{T}, num_kv_heads, {D}] (tokens and head_size of q), got {_shape(t)}"
+            )
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v: expected shape {_shape(k)} (the shape of k), got {_shape(v)}")
+    Hkv = k.shape[1]
+    if Hkv < 1 or H % Hkv != 0:
+        raise ValueError(
+            f"k: expected num_kv_heads dividing num_heads={H} (GQA/MQA), got num_kv_heads={Hkv}"
+        )
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if t.numel() and t.stride(2) != 1:
+            raise ValueError(
+                f"{name}: expected the head_size dimension to be contiguous (stride 1), got strides {t.stride()}"
+            )
+
+
+def _validate_cache(p: PrefillProblem) -> None:
+    c = p.cache
+    if not isinstance(c, PagedKVCache):
+        raise TypeError(f"cache: expected a pagedprefill.PagedKVCache, got {type(c).__name__}")
+    kc = _expect_tensor("k_cache", c.key)
+    vc = _expect_tensor("v_cache", c.value)
+    _expect_device("k_cache", kc, p.q.device)
+    _expect_device("v_cache", vc, p.q.device)
+    Hkv, D = p.num_kv_heads, p.head_size
+    if c.dtype.is_fp8:
+        allowed = (torch.uint8, c.dtype.torch_dtype)
+        _expect_dtype("k_cache", kc, allowed, f"uint8 (or {c.dtype.torch_dtype}) for kv_cache_dtype={c.dtype.value!r}")
+    else:
+        if kc.dtype in (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2):
+            raise TypeError(
+                f"k_cache: dtype {kc.dtype} holds FP8 bytes, but kv_cache_dtype='auto' expects the model dtype "
+                f"{p.q.dtype}; pass kv_cache_dtype='fp8_e4m3' or 'fp8_e5m2' with k_scale/v_scale"
+            )
+        _expect_dtype("k_cache", kc, (p.q.dtype,), f"{p.q.dtype} (the dtype of q, kv_cache_dtype='auto')")
+    if vc.dtype != kc.dtype:
+        raise TypeError(f"v_cache: expected dtype {kc.dtype} (the dtype of k_cache), got {vc.dtype}")
+    if c.layout is KVLayout.SPLIT:
+        _expect_ndim("k_cache", kc, 5, "[num_blocks, num_kv_heads, head_size // x, block_size, x] (split layout)")
+        _expect_ndim("v_cache", vc, 4, "[num_blocks, num_kv_heads, head_size, block_size] (split layout)")
+        nb, hk, dx, bs, x = kc.shape
+        want_x = expected_x(D, kc.element_size())
+        if x != want_x:
+            raise ValueError(
+                f"k_cache: expected x (dim 4) = {want_x} for head_size {D} and {kc.element_size()}-byte elements "
+                f"(16 bytes per chunk, dividing head_size), got x={x}"
+            )
+        if hk != Hkv or dx * x != D:
+            raise ValueError(
+                f"k_cache: expected shape [num_blocks, {Hkv}, {D // want_x}, block_size, {want_x}], got {_shape(kc)}"
+            )
+        if tuple(vc.shape) != (nb, Hkv, D, bs):
+            raise ValueError(f"v_cache: expected shape [{nb}, {Hkv}, {D}, {bs}], got {_shape(vc)}")
+    else:
+        _expect_ndim("k_cache", kc, 4, "[num_blocks, block_size, num_kv_heads, head_size] (NHD layout)")
+        nb, bs, hk, d = kc.shape
+        if hk != Hkv or d != D:
+            raise ValueError(f"k_cache: expected shape [num_blocks, block_size, {Hkv}, {D}], got {_shape(kc)}")
+        if tuple(vc.shape) != tuple(kc.shape):
+            raise ValueError(f"v_cache: expected shape {_shape(kc)} (the shape of k_cache), got {_shape(vc)}")
+    if c.block_size < 1:
+        raise ValueError(f"k_cache: expected block_size >= 1, got {c.block_size}")
+    for name in ("k_scale", "v_scale"):
+        s = getattr(c, name)
+        if isinstance(s, torch.Tensor):
+            if s.numel() != 1:
+                raise ValueError(f"{name}: expected a float or a 1-element tensor, got shape {_shape(s)}")
+            _expect_dtype(name, s, FLOAT_DTYPES)
+            _expect_device(name, s, p.q.device)
+        elif not isinstance(s, (int, float)):
+            raise TypeError(f"{name}: expected a float or a 1-element tensor, got {type(s).__name__}")
+        elif not math.isfinite(s) or s <= 0:
+            raise ValueError(f"{name}: expected a finite positive scale, got {s}")
+
+
+def _validate_batch(p: PrefillProblem) -> None:
+    b = p.batch
+    names = (("b_start_loc", b.query_start), ("b_seq_len", b.seq_lens), ("b_ctx_len", b.context_lens),
+             ("b_loc", b.block_table))
+    for name, t in names:
+        _expect_tensor(name, t)
+        _expect_dtype(name, t, INDEX_DTYPES)
+        _expect_device(name, t, p.q.device)
+    _expect_ndim("b_seq_len", b.seq_lens, 1, "[num_seqs]")
+    B = b.seq_lens.shape[0]
+    _expect_ndim("b_ctx_len", b.context_lens, 1, "[num_seqs]")
+    if b.context_lens.shape[0] != B:
+        raise ValueError(f"b_ctx_len: expected shape [{B}] (as b_seq_len), got {_shape(b.context_lens)}")
+    _expect_ndim("b_start_loc", b.query_start, 1, "[num_seqs] or [num_seqs + 1]")
+    if b.query_start.shape[0] not in (B, B + 1):
+        raise ValueError(f"b_start_loc: expected shape [{B}] or [{B + 1}], got {_shape(b.query_start)}")
+    _expect_ndim("b_loc", b.block_table, 2, "[num_seqs, max_blocks_per_seq]")
+    if b.block_table.shape[0] != B:
+        raise ValueError(f"b_loc: expected {B} rows (one per sequence), got shape {_shape(b.block_table)}")
+    if b.max_query_len is not None:
+        if not isinstance(b.max_query_len, int) or isinstance(b.max_query_len, bool) or b.max_query_len < 0:
+            raise ValueError(f"max_input_len: expected a non-negative int, got {b.max_query_len!r}")
+
+
+def _validate_options(p: PrefillProblem) -> None:
+    o = p.options
+    H = p.num_heads
+    if o.sm_scale is not None and (not isinstance(o.sm_scale, (int, float)) or not math.isfinite(o.sm_scale)
+                                   or o.sm_scale <= 0):
+        raise ValueError(f"sm_scale: expected a finite positive float or None, got {o.sm_scale!r}")
+    for name in ("alibi_slopes", "sinks"):
+        t = getattr(o, name)
+        if t is None:
+            continue
+        _expect_tensor(name, t)
+        if t.dim() != 1 or t.shape[0] != H:
+            raise ValueError(f"{name}: expected shape [{H}] (one per query head), got {_shape(t)}")
+        _expect_dtype(name, t, FLOAT_DTYPES)
+        _expect_device(name, t, p.q.device)
+    w = o.sliding_window
+    if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 0):
+        raise ValueError(f"sliding_window: expected None or an int >= 0 (0 = no window), got {w!r}")
+    if not isinstance(o.softcap, (int, float)) or not math.isfinite(o.softcap) or o.softcap < 0:
+        raise ValueError(f"softcap: expected a finite float >= 0 (0 = off), got {o.softcap!r}")
+
+
+def validate_values(p: PrefillProblem) -> None:
+    """The ``"full"`` checks: read the metadata on the host and check it against the tensor extents."""
+    b = p.batch
+    B = b.num_seqs
+    seq = b.seq_lens.to("cpu", torch.int64)
+    ctx = b.context_lens.to("cpu", torch.int64)
+    start = b.query_start.to("cpu", torch.int64)
+    table = b.block_table.to("cpu", torch.int64)
+    if B and int(ctx.min()) < 0:
+        i = int(torch.argmin(ctx))
+        raise ValueError(f"b_ctx_len: expected values >= 0, got {int(ctx[i])} for sequence {i}")
+    qlen = seq - ctx
+    if B and int(qlen.min()) < 0:
+        i = int(torch.argmin(qlen))
+        raise ValueError(
+            f"b_seq_len: expected b_seq_len >= b_ctx_len, got seq_len={int(seq[i])} < ctx_len={int(ctx[i])} "
+            f"for sequence {i}"
+        )
+    T = p.num_tokens
+    if B:
+        first = int(start[0])
+        if first < 0:
+            raise ValueError(f"b_start_loc: expected values >= 0, got {first} for sequence 0")
+        expected = first + torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(qlen, 0)])
+        n = start.shape[0]
+        bad = (start != expected[:n]).nonzero()
+        if bad.numel():
+            i = int(bad[0])
+            raise ValueError(
+                f"b_start_loc: expected packed sequences (start[i + 1] = start[i] + seq_len[i] - ctx_len[i]), "
+                f"got start[{i}]={int(start[i])}, expected {int(expected[i])}"
+            )
+        end = int(expected[-1])
+        if end > T:
+            raise ValueError(
+                f"b_seq_len/b_ctx_len: the new tokens of all sequences end at {end}, past the {T} tokens of q"
+            )
+    if b.max_query_len is not None and B and int(qlen.max()) > b.max_query_len:
+        raise ValueError(
+            f"max_input_len: expected >= the longest query ({int(qlen.max())}), got {b.max_query_len}"
+        )
+    bs = p.cache.block_size
+    nblocks_needed = (ctx + bs - 1) // bs
+    width = table.shape[1]
+    if B and int(nblocks_needed.max()) > width:
+        i = int(torch.argmax(nblocks_needed))
+        raise ValueError(
+            f"b_loc: sequence {i} has {int(ctx[i])} cached tokens, needing {int(nblocks_needed[i])} blocks of "
+            f"{bs}, but the block table has {width} columns"
+        )
+    if B and width:
+        used = torch.arange(width)[None, :] < nblocks_needed[:, None]
+        num_blocks = p.cache.num_blocks
+        bad = used & ((table < 0) | (table >= num_blocks))
+        if bool(bad.any()):
+            i, j = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(
+                f"b_loc: expected block numbers in [0, {num_blocks}), got {int(table[i, j])} at "
+                f"[{i}, {j}] (sequence {i} uses {int(nblocks_needed[i])} blocks)"
+            )
