@@ -170,6 +170,35 @@ class ConformanceSuite:
                 pytest.skip(reason)
             self._check(spec, pagedprefill_device, f"{self.backend}/{case}/seed={seed}")
 
+    def test_cache_offsets_beyond_int32(self, pagedprefill_device):
+        """Blocks whose element offsets pass 2**31 are addressed correctly (64-bit offset arithmetic)."""
+        if pagedprefill_device.type == "cpu":
+            pytest.skip("needs a ~9 GB cache: run on a GPU (nox -s generic/sm80/bi100)")
+        free, _ = torch.cuda.mem_get_info(pagedprefill_device)
+        if free < 12 * 2**30:
+            pytest.skip(f"needs 12 GiB of free GPU memory, {free / 2**30:.1f} GiB free")
+        spec = BASE.replace(query_lens=(33, 1, 70), context_lens=(300, 129, 64), num_heads=2, num_kv_heads=1,
+                            head_size=128, block_size=16, spare_blocks=0)
+        problem = make_problem(spec, pagedprefill_device)
+        cache = problem.cache
+        per_block = cache.key[0].numel()
+        num_blocks = (2**31 + 64 * per_block) // per_block + 64
+        big_k = torch.empty((num_blocks, *cache.key.shape[1:]), dtype=cache.key.dtype, device=pagedprefill_device)
+        big_v = torch.empty((num_blocks, *cache.value.shape[1:]), dtype=cache.value.dtype, device=pagedprefill_device)
+        used = problem.batch.block_table.long()
+        moved = num_blocks - 1 - used  # the same blocks, copied to the far end of the big cache
+        big_k[moved.flatten()] = cache.key[used.flatten()]
+        big_v[moved.flatten()] = cache.value[used.flatten()]
+        import dataclasses
+
+        assert int(moved.min()) * per_block >= 2**31
+        problem = dataclasses.replace(
+            problem, cache=dataclasses.replace(cache, key=big_k, value=big_v),
+            batch=dataclasses.replace(problem.batch, block_table=moved.to(torch.int32)))
+        out = self.run_backend(problem, pagedprefill_device)
+        atol, rtol = self.tolerances[spec.dtype]
+        assert_matches_reference(out, problem, atol, rtol, label=f"{self.backend}/offsets>2^31")
+
     def test_random_sweep(self, pagedprefill_device, pagedprefill_size, pagedprefill_sweep):
         dtypes = (torch.float16, torch.float32)
         if pagedprefill_device.type != "cpu":

@@ -44,14 +44,18 @@ def _scale_arg(scale, fp8: bool, fallback: torch.Tensor):
     return float(scale), fallback, False
 
 
-def launch_prefill(problem: PrefillProblem, config: TileConfig) -> None:
-    """Run the prefix-prefill kernel for ``problem`` (already validated) with ``config``."""
+def launch_prefill(problem: PrefillProblem, config: TileConfig):
+    """Run the prefix-prefill kernel for ``problem`` (already validated) with ``config``.
+
+    Returns Triton's compiled-kernel handle (its ``metadata.shared`` is the shared memory it uses), or None
+    when there was nothing to launch.
+    """
     p = problem
     q, out = p.q, p.out
     T, H, D = q.shape
     B = p.batch.num_seqs
     if T == 0 or B == 0 or H == 0:
-        return
+        return None
     group = H // p.num_kv_heads
     heads_per_tile = min(config.heads_per_tile, group)
     tokens_per_tile = config.block_m // heads_per_tile
@@ -66,7 +70,7 @@ def launch_prefill(problem: PrefillProblem, config: TileConfig) -> None:
     grid = (T // tokens_per_tile + B, p.num_kv_heads * head_chunks)
     device_ctx = torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
     with device_ctx:
-        prefix_prefill_kernel[grid](
+        return prefix_prefill_kernel[grid](
             q, p.k, p.v, out, key, value, table, p.batch.query_start, p.batch.seq_lens, p.batch.context_lens,
             opts.alibi_slopes if opts.alibi_slopes is not None else q,
             opts.sinks if opts.sinks is not None else q,

@@ -1,0 +1,110 @@
+"""Sessions: ``tests`` (CPU, Triton interpreter), ``demo``, ``lint``, ``docs``, and one per hardware target
+(``generic``, ``sm80``, ``bi100``) that runs the conformance suite on that hardware.
+
+Every session also runs with ``--no-venv`` on a machine without a package index (torch, Triton, pytest and
+pluggy preinstalled): then the project's packages are installed into the current interpreter with
+``pip install --no-deps --no-build-isolation -e`` and nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+CONSTRAINTS = ROOT / "ci" / "constraints-cpu.txt"
+CORE = "packages/core"
+BACKENDS = {
+    "generic": "packages/backend-generic",
+    "sm80": "packages/backend-sm80",
+    "bi100": "packages/backend-bi100",
+}
+
+nox.options.sessions = ["lint", "tests", "demo", "docs"]
+nox.options.default_venv_backend = "venv"
+
+
+def _no_venv(session: nox.Session) -> bool:
+    return session.venv_backend == "none"
+
+
+def install(session: nox.Session, *packages: str, extras: str = "") -> None:
+    """Install the project's packages (editable); pinned CPU deps in a venv, nothing fetched without one."""
+    paths = [p for p in packages if (ROOT / p).exists()]
+    if _no_venv(session):
+        session.run("python", "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    *[a for p in paths for a in ("-e", p)], external=True)
+        return
+    core = f"{CORE}[{extras}]" if extras else CORE
+    targets = [core if p == CORE else p for p in paths]
+    session.install("-c", str(CONSTRAINTS), *[a for p in targets for a in ("-e", p)])
+
+
+def pytest_args(session: nox.Session) -> list[str]:
+    return ["-q", "-rs", "-p", "no:cacheprovider", *session.posargs]
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Every package's tests on the CPU; Triton kernels under TRITON_INTERPRET=1."""
+    install(session, CORE, *BACKENDS.values(), extras="triton,test")
+    session.run("pytest", *pytest_args(session), f"{CORE}/tests")
+    for name, path in BACKENDS.items():
+        if (ROOT / path / "tests").exists():
+            session.run("pytest", *pytest_args(session), f"{path}/tests", "--pagedprefill-device=cpu",
+                        env={"TRITON_INTERPRET": "1"})
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Run the demo: a realistic paged batch on the selected backend, checked against the reference."""
+    install(session, CORE, *BACKENDS.values(), extras="triton")
+    session.run("pagedprefill", "info")
+    session.run("pagedprefill", "demo", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over every package, the noxfile and CI scripts."""
+    if not _no_venv(session):
+        session.install("ruff")
+    session.run("ruff", "check", "packages", "ci", "noxfile.py", "docs")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Check the docs: relative links resolve and the README's Python examples run (CPU, reference)."""
+    install(session, CORE)
+    session.run("python", "ci/check_docs.py")
+
+
+def _hardware_session(session: nox.Session, target: str) -> None:
+    install(session, CORE, BACKENDS["generic"], BACKENDS[target], extras="triton,test")
+    forced = os.environ.get("PAGEDPREFILL_FORCE_TARGET") == "1"
+    verdict = session.run("python", "ci/detect_target.py", target, silent=True, success_codes=[0, 3]) or ""
+    session.log(verdict.strip())
+    if verdict.startswith("absent") and not forced:
+        session.skip(f"{target} hardware not present: {verdict.strip()}; set PAGEDPREFILL_FORCE_TARGET=1 to run "
+                     "its kernels with its policy forced on another GPU")
+    session.run("pagedprefill", "info")
+    session.run("pytest", *pytest_args(session), f"{BACKENDS[target]}/tests", "--pagedprefill-device=cuda")
+
+
+@nox.session
+def generic(session: nox.Session) -> None:
+    """Conformance of the generic backend on the present GPU (bf16 and large sizes included)."""
+    _hardware_session(session, "generic")
+
+
+@nox.session
+def sm80(session: nox.Session) -> None:
+    """Conformance of the sm80 backend on an NVIDIA GPU of capability >= 8.0."""
+    _hardware_session(session, "sm80")
+
+
+@nox.session
+def bi100(session: nox.Session) -> None:
+    """Conformance of the bi100 backend on an Iluvatar CoreX GPU (or, forced, its policy on another GPU)."""
+    _hardware_session(session, "bi100")

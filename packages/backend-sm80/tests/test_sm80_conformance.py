@@ -1,0 +1,21 @@
+"""The core conformance suite on the sm80 backend (an NVIDIA GPU of capability >= 8.0)."""
+
+import pytest
+import torch
+
+from pagedprefill import DeviceInfo
+from pagedprefill.testing import ConformanceSuite
+
+
+class TestSm80Conformance(ConformanceSuite):
+    backend = "sm80"
+
+    def device_info(self, device: torch.device) -> DeviceInfo:
+        if device.type == "cpu":
+            # Under the interpreter the kernels run on the CPU; the policy sees a described A100.
+            return DeviceInfo(type="cuda", index=0, vendor="nvidia", name="NVIDIA A100-SXM4-80GB", capability=(8, 0),
+                              warp_size=32, num_sms=108, max_shared_mem=163 * 1024, triton_backend="cuda")
+        info = DeviceInfo.detect(device)
+        if info.vendor != "nvidia" or info.capability < (8, 0):
+            pytest.skip(f"sm80 needs an NVIDIA GPU of capability >= 8.0, found {info.describe()}")
+        return info

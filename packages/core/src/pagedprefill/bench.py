@@ -1,0 +1,253 @@
+"""``pagedprefill bench``: a workload suite timed on the current device, with peers measured in the same run.
+
+For each workload the selected backends and the peers run on the same data: the reference, and torch's
+scaled_dot_product_attention (each of its fused backends that accepts the call: flash, cuDNN, efficient)
+on the cached K/V gathered into contiguous tensors beforehand (the gather is not timed). Times are
+medians of repeated CUDA-event timings. FLOPs are ``4 * D * H * attended (query, key) pairs``, with the
+causal and window parts counted exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from .cache import gather_kv
+from .testing.batches import BatchSpec, fresh_output, make_problem
+from .types import PrefillProblem
+
+LLAMA3_8B = dict(num_heads=32, num_kv_heads=8, head_size=128, block_size=16, dtype=torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    spec: BatchSpec
+    note: str = ""
+
+
+def default_suite() -> list[Workload]:
+    """The suite of the performance table (Llama-3-8B shapes unless the name says otherwise)."""
+    base = BatchSpec(**LLAMA3_8B, spare_blocks=0)
+    prefix = base.replace(query_lens=(1024,) * 8, context_lens=(7168,) * 8)
+    chunked = base.replace(query_lens=(2048,) * 4, context_lens=(0, 10000, 20000, 30000))
+    short_ctx = tuple(1024 + (3072 * i) // 63 for i in range(64))
+    return [
+        Workload("prefix-cached 8x(1024+7168)", prefix),
+        Workload("long prefill 2x8192", base.replace(query_lens=(8192,) * 2, context_lens=(0, 0))),
+        Workload("chunked 4x2048 ctx 0..30k", chunked),
+        Workload("many short 64x128 ctx 1k..4k", base.replace(query_lens=(128,) * 64, context_lens=short_ctx)),
+        Workload("D64 prefix-cached", prefix.replace(head_size=64)),
+        Workload("D96 prefix-cached", prefix.replace(head_size=96)),
+        Workload("D256 prefix-cached", prefix.replace(head_size=256)),
+        Workload("fp16 prefix-cached", prefix.replace(dtype=torch.float16)),
+        Workload("FP8 e4m3 KV prefix-cached", prefix.replace(kv_cache_dtype="fp8_e4m3")),
+        Workload("window 4096 chunked", chunked.replace(sliding_window=4096), "in-window FLOPs"),
+    ]
+
+
+def attended_pairs(spec: BatchSpec) -> int:
+    """Exact number of (query, key) pairs the batch attends to (causal, window)."""
+    total = 0
+    w = spec.sliding_window or 0
+    for q, c in zip(spec.query_lens, spec.context_lens):
+        for_all = q * c + q * (q + 1) // 2  # every query sees the prefix plus itself and earlier new tokens
+        if w > 0:
+            # query at position p sees keys max(0, p - w + 1) .. p: min(p + 1, w) keys
+            first, last = c, c + q - 1
+            full_until = min(last, w - 1)  # positions p <= w - 1 see p + 1 keys
+            n_small = max(0, full_until - first + 1)
+            small = (first + 1 + full_until + 1) * n_small // 2 if n_small else 0
+            for_all = small + (q - n_small) * w
+        total += for_all
+    return total
+
+
+def flops(spec: BatchSpec) -> float:
+    return 4.0 * spec.head_size * spec.num_heads * attended_pairs(spec)
+
+
+def _median_ms(fn: Callable[[], object], reps: int) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=max(50, reps), return_mode="median"))
+
+
+def sdpa_peers(problem: PrefillProblem) -> dict[str, Callable[[], object]]:
+    """Callables running torch SDPA per sequence on contiguous K/V, one per fused backend that accepts it."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    p = problem
+    b = p.batch
+    group = p.num_heads // p.num_kv_heads
+    seqs = []
+    for i, (s, c) in enumerate(zip(b.seq_lens.tolist(), b.context_lens.tolist())):
+        n = s - c
+        if n == 0:
+            continue
+        s0 = int(b.query_start[i])
+        kc, vc = gather_kv(p.cache, b.block_table[i], c, p.q.dtype)
+        k = torch.cat([kc, p.k[s0:s0 + n]]).transpose(0, 1).unsqueeze(0).contiguous()
+        v = torch.cat([vc, p.v[s0:s0 + n]]).transpose(0, 1).unsqueeze(0).contiguous()
+        q = p.q[s0:s0 + n].transpose(0, 1).unsqueeze(0).contiguous()
+        mask = causal_lower_right(n, s)
+        seqs.append((q, k, v, mask))
+    window = p.options.window
+    if window or p.options.alibi_slopes is not None or p.options.softcap or p.options.sinks is not None:
+        return {}  # SDPA's fused kernels have no window/ALiBi/softcap/sinks: no like-for-like peer
+
+    def run_all():
+        for q, k, v, mask in seqs:
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=p.sm_scale,
+                                                             enable_gqa=group > 1)
+
+    peers = {}
+    for label, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
+                           ("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        def call(backend=backend):
+            with sdpa_kernel([backend]):
+                run_all()
+        try:
+            call()
+            torch.cuda.synchronize()
+        except Exception:
+            continue  # this fused backend does not accept the call (dtype, head size, mask, GQA)
+        peers[label] = call
+    return peers
+
+
+def run_suite(backends: list[str], workloads: list[Workload], device: torch.device, reps: int = 100,
+              with_reference: bool = True, progress=None) -> list[dict]:
+    """Time every backend and peer on every workload; return one row per (workload, implementation)."""
+    from .api import dispatch, get_registry
+    from .device import DeviceInfo
+
+    info = DeviceInfo.detect(device)
+    rows = []
+    total = len(workloads)
+    for i, wl in enumerate(workloads):
+        if progress:
+            progress(f"[{i + 1}/{total}] {wl.name}")
+        problem = make_problem(wl.spec, device)
+        f = flops(wl.spec)
+        impls: dict[str, Callable[[], object]] = {}
+        for name in backends:
+            backend = get_registry().get(name)
+            if backend.supports(info):
+                continue
+            try:
+                backend.check_problem(problem, info)
+            except Exception:
+                continue
+            impls[name] = (lambda b=backend, pr=problem: b.run(pr, info))
+        ours = dict(impls)
+        if with_reference:
+            impls["reference"] = lambda pr=problem: get_registry().get("reference").run(pr, info)
+        impls.update(sdpa_peers(problem))
+        for label, fn in impls.items():
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base_mem = torch.cuda.memory_allocated(device)
+            ms = _median_ms(fn, reps if label != "reference" else 10)
+            peak = torch.cuda.max_memory_allocated(device) - base_mem
+            row = {"workload": wl.name, "impl": label, "ms": ms, "tflops": f / ms / 1e9,
+                   "peak_extra_mib": peak / 2**20, "note": wl.note}
+            if label in ours:
+                check = fresh_output(problem)
+                dispatch(check, backend=label)
+                ref = get_registry().get("reference")
+                expect = fresh_output(problem)
+                ref.run(expect, info)
+                row["max_abs_err"] = float((check.out.float() - expect.out.float()).abs().max())
+            rows.append(row)
+            if progress:
+                progress(f"    {label:<16} {ms:9.3f} ms {row['tflops']:8.1f} TFLOP/s")
+        del problem
+        torch.cuda.empty_cache()
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    cell = {(r["workload"], r["impl"]): r for r in rows}
+    head = "| workload | " + " | ".join(impls) + " |"
+    lines = [head, "| --- |" + " ---: |" * len(impls)]
+    for w in workloads:
+        vals = [f"{cell[(w, i)]['tflops']:.1f}" if (w, i) in cell else "-" for i in impls]
+        lines.append(f"| {w} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str, title: str) -> Optional[str]:
+    """A grouped bar chart of TFLOP/s per workload and implementation (None if matplotlib is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    impls = list(dict.fromkeys(r["impl"] for r in rows if r["impl"] != "reference"))
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    cell = {(r["workload"], r["impl"]): r["tflops"] for r in rows}
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(workloads)), 4.5))
+    width = 0.8 / max(1, len(impls))
+    for j, impl in enumerate(impls):
+        xs = [i + j * width for i in range(len(workloads))]
+        ax.bar(xs, [cell.get((w, impl), 0.0) for w in workloads], width, label=impl)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(workloads))])
+    ax.set_xticklabels(workloads, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def cmd_bench(args) -> int:
+    from .api import select_backend
+    from .device import DeviceInfo
+
+    if not torch.cuda.is_available():
+        print("pagedprefill bench: needs a GPU (timings use CUDA events); none is visible", file=sys.stderr)
+        return 2
+    device = torch.device(args.device or "cuda")
+    info = DeviceInfo.detect(device)
+    backends = args.backend or [select_backend(info).name]
+    suite = default_suite()
+    if args.only:
+        suite = [w for w in suite if any(s.lower() in w.name.lower() for s in args.only)]
+    start = time.time()
+    rows = run_suite(backends, suite, device, reps=args.reps, with_reference=not args.no_reference,
+                     progress=lambda m: print(m, file=sys.stderr, flush=True))
+    meta = {"device": info.describe(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+            "backends": backends, "commit": args.commit, "seconds": round(time.time() - start, 1)}
+    print(f"\n{meta['device']}, torch {meta['torch']}, {meta['date']}, commit {args.commit or '?'}")
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+    if args.png:
+        plot(rows, args.png, f"pagedprefill bench: {info.name}, {meta['date']}")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="time the workload suite for backends and peers (GPU)")
+    p.add_argument("--backend", action="append", help="backend to time (repeatable; default: the selected one)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--only", action="append", help="run workloads whose name contains this (repeatable)")
+    p.add_argument("--reps", type=int, default=200, help="do_bench repetition budget in ms (default 200)")
+    p.add_argument("--no-reference", action="store_true", help="skip timing the reference implementation")
+    p.add_argument("--json", default="bench.json", help="write rows here (default bench.json)")
+    p.add_argument("--png", default="bench.png", help="write a chart here (default bench.png)")
+    p.add_argument("--commit", default=None, help="commit id to record with the results")
+    p.set_defaults(func=cmd_bench)

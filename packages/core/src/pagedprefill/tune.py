@@ -1,0 +1,111 @@
+"""``pagedprefill tune``: measure a backend's declared tile search space on the present GPU, write a table.
+
+For each (head size, dtype, workload) key, every candidate :class:`TileConfig` from the backend's
+``search_space(shape, device)`` is first checked against the reference on a small ragged batch (a wrong
+candidate is dropped, never timed), then timed (median) on a representative batch. The fastest candidate
+per key goes into the table at :func:`pagedprefill.tuning.user_table_path`, which the backend's policy reads
+on the next run.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from .testing.batches import BatchSpec, fresh_output, make_problem
+from .testing.conformance import DEFAULT_TOLERANCES, assert_matches_reference
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def representative_spec(head_size: int, dtype: torch.dtype, workload: str) -> BatchSpec:
+    base = BatchSpec(num_heads=32, num_kv_heads=8, head_size=head_size, block_size=16, dtype=dtype, spare_blocks=0)
+    if workload == "short":
+        return base.replace(query_lens=(64,) * 32, context_lens=tuple(1024 + 32 * i for i in range(32)))
+    return base.replace(query_lens=(1024,) * 4, context_lens=(4096, 2048, 6144, 0))
+
+
+def check_spec(head_size: int, dtype: torch.dtype) -> BatchSpec:
+    return BatchSpec(query_lens=(77, 1, 130, 5), context_lens=(300, 45, 0, 17), num_heads=8, num_kv_heads=2,
+                     head_size=head_size, block_size=16, dtype=dtype, seed=3)
+
+
+def tune(backend_name: str, head_sizes, dtypes, workloads, device: torch.device, log=print) -> dict:
+    import triton.testing
+
+    from .api import get_registry
+    from .backends.triton_base import problem_shape
+    from .device import DeviceInfo
+    from .triton.launch import launch_prefill
+    from .tuning import table_key
+
+    info = DeviceInfo.detect(device)
+    backend = get_registry().get(backend_name)
+    if not hasattr(backend, "search_space"):
+        raise SystemExit(f"backend {backend_name!r} declares no search_space(); nothing to tune")
+    entries, report = {}, []
+    keys = [(d, t, w) for d in head_sizes for t in dtypes for w in workloads]
+    for i, (d, dt, wl) in enumerate(keys):
+        dtype = DTYPES[dt]
+        problem = make_problem(representative_spec(d, dtype, wl), device)
+        check = make_problem(check_spec(d, dtype), device)
+        shape = problem_shape(problem)
+        key = table_key(shape, info)
+        candidates = backend.search_space(shape, info)
+        log(f"[{i + 1}/{len(keys)}] {key}: {len(candidates)} candidates")
+        best = None
+        for j, cfg in enumerate(candidates):
+            try:
+                out = fresh_output(check)
+                launch_prefill(out, cfg)
+                atol, rtol = DEFAULT_TOLERANCES[dtype]
+                assert_matches_reference(out.out, out, atol, rtol, label=str(cfg))
+                ms = float(triton.testing.do_bench(lambda c=cfg: launch_prefill(problem, c), warmup=10, rep=60,
+                                                   return_mode="median"))
+            except Exception as exc:  # compile failure (resources) or wrong result: drop the candidate
+                log(f"    {j + 1:3d}/{len(candidates)} {cfg.to_dict()} rejected: {type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0][:100]}")
+                continue
+            log(f"    {j + 1:3d}/{len(candidates)} {cfg.to_dict()} {ms:.3f} ms")
+            if best is None or ms < best[0]:
+                best = (ms, cfg)
+        if best is not None:
+            entries[key] = best[1]
+            report.append((key, best[0], best[1]))
+        del problem, check
+    return {"entries": entries, "report": report}
+
+
+def cmd_tune(args) -> int:
+    from .device import DeviceInfo
+    from .tuning import load_table, save_table, user_table_path
+
+    if not torch.cuda.is_available():
+        print("pagedprefill tune: needs a GPU; none is visible", file=sys.stderr)
+        return 2
+    device = torch.device(args.device or "cuda")
+    info = DeviceInfo.detect(device)
+    t0 = time.time()
+    result = tune(args.backend, args.head_size, args.dtype, args.workload, device,
+                  log=lambda m: print(m, file=sys.stderr, flush=True))
+    path = user_table_path(args.backend, info) if args.out is None else __import__("pathlib").Path(args.out)
+    merged = {**load_table(path), **result["entries"]}
+    save_table(path, info, merged, {"backend": args.backend, "date": time.strftime("%Y-%m-%d")})
+    print(f"\ntuned {len(result['entries'])} keys in {time.time() - t0:.0f} s on {info.describe()}")
+    for key, ms, cfg in result["report"]:
+        print(f"  {key:<28} {ms:8.3f} ms  {cfg.to_dict()}")
+    print(f"table written to {path}")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("tune", help="sweep a backend's tile configs on this GPU and write its policy table")
+    p.add_argument("--backend", default="sm80")
+    p.add_argument("--device", default=None)
+    p.add_argument("--head-size", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=["bf16"])
+    p.add_argument("--workload", nargs="+", choices=["short", "long"], default=["long", "short"])
+    p.add_argument("--out", default=None, help="table path (default: the user table the policy reads)")
+    p.set_defaults(func=cmd_tune)

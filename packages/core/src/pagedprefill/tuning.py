@@ -1,0 +1,70 @@
+"""Tuned tile tables: measured TileConfigs kept as data, looked up by problem key.
+
+A table is a JSON file ``{"device": ..., "entries": {key: TileConfig fields}}``. A backend ships one in its
+package (measured by its maintainers) and ``pagedprefill tune`` writes one for the present GPU into the
+user's cache directory; the user's table takes precedence. Keys (:func:`table_key`) are
+``"<capability>|d<padded head size>|<dtype>|<kv dtype>|<short|long>"``, e.g. ``"9.0|d128|bf16|auto|long"``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+from .device import DeviceInfo
+from .tiling import ProblemShape, TileConfig
+
+ENV_TABLE_DIR = "PAGEDPREFILL_TUNE_DIR"
+
+_DTYPE_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float32": "fp32"}
+
+
+def table_key(shape: ProblemShape, device: DeviceInfo) -> str:
+    dtype = _DTYPE_NAMES.get(str(shape.dtype), str(shape.dtype))
+    kv = "auto" if shape.kv_cache_dtype == "auto" else "fp8"
+    cap = f"{device.capability[0]}.{device.capability[1]}"
+    return f"{cap}|d{shape.head_size_padded}|{dtype}|{kv}|{shape.workload}"
+
+
+def user_table_path(backend: str, device: DeviceInfo) -> Path:
+    """Where ``pagedprefill tune`` writes (and policies read) the table for ``backend`` on ``device``."""
+    base = Path(os.environ.get(ENV_TABLE_DIR) or Path.home() / ".cache" / "pagedprefill")
+    safe = "".join(ch if ch.isalnum() else "-" for ch in device.name).strip("-").lower()
+    return base / f"{backend}-{safe}.json"
+
+
+@lru_cache(maxsize=None)
+def _load(path: str, mtime: float) -> dict[str, TileConfig]:
+    with open(path) as fh:
+        data = json.load(fh)
+    return {key: TileConfig(**fields) for key, fields in data.get("entries", {}).items()}
+
+
+def load_table(path: Path) -> dict[str, TileConfig]:
+    """Entries of the table at ``path`` ({} if it does not exist)."""
+    try:
+        return _load(str(path), path.stat().st_mtime)
+    except FileNotFoundError:
+        return {}
+
+
+def lookup(key: str, *tables: dict[str, TileConfig]) -> Optional[TileConfig]:
+    """The first table's entry for ``key``; then the same key with an FP8 cache read as ``auto``."""
+    candidates = [key]
+    if "|fp8|" in key:
+        candidates.append(key.replace("|fp8|", "|auto|"))
+    for candidate in candidates:
+        for table in tables:
+            if candidate in table:
+                return table[candidate]
+    return None
+
+
+def save_table(path: Path, device: DeviceInfo, entries: dict[str, TileConfig], extra: Optional[dict] = None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"device": device.name, "capability": list(device.capability), **(extra or {}),
+            "entries": {k: v.to_dict() for k, v in sorted(entries.items())}}
+    path.write_text(json.dumps(data, indent=1) + "\n")
