@@ -51,7 +51,7 @@ def tests(session: nox.Session) -> None:
     """Every package's tests on the CPU; Triton kernels under TRITON_INTERPRET=1."""
     install(session, CORE, *BACKENDS.values(), extras="triton,test")
     session.run("pytest", *pytest_args(session), f"{CORE}/tests")
-    for name, path in BACKENDS.items():
+    for path in BACKENDS.values():
         if (ROOT / path / "tests").exists():
             session.run("pytest", *pytest_args(session), f"{path}/tests", "--pagedprefill-device=cpu",
                         env={"TRITON_INTERPRET": "1"})

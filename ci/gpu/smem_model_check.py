@@ -8,7 +8,6 @@ import json
 import sys
 
 import torch
-
 from pagedprefill.testing import BatchSpec, make_problem
 from pagedprefill.tiling import TileConfig
 from pagedprefill.triton.launch import launch_prefill

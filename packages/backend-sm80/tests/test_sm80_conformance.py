@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from pagedprefill import DeviceInfo
 from pagedprefill.testing import ConformanceSuite
 

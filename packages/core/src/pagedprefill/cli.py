@@ -19,7 +19,7 @@ from .api import get_registry, select_backend
 from .device import DeviceInfo
 from .registry import BackendUnavailableError
 from .testing.batches import BatchSpec, fresh_output, make_problem
-from .testing.conformance import DEFAULT_TOLERANCES
+from .testing.cases import DEFAULT_TOLERANCES
 
 COMMANDS_GROUP = "pagedprefill.commands"
 

@@ -15,7 +15,7 @@ import time
 import torch
 
 from .testing.batches import BatchSpec, fresh_output, make_problem
-from .testing.conformance import DEFAULT_TOLERANCES, assert_matches_reference
+from .testing.cases import DEFAULT_TOLERANCES, assert_matches_reference
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -62,7 +62,7 @@ def tune(backend_name: str, head_sizes, dtypes, workloads, device: torch.device,
                 launch_prefill(out, cfg)
                 atol, rtol = DEFAULT_TOLERANCES[dtype]
                 assert_matches_reference(out.out, out, atol, rtol, label=str(cfg))
-                ms = float(triton.testing.do_bench(lambda c=cfg: launch_prefill(problem, c), warmup=10, rep=60,
+                ms = float(triton.testing.do_bench(lambda c=cfg, pr=problem: launch_prefill(pr, c), warmup=10, rep=60,
                                                    return_mode="median"))
             except Exception as exc:  # compile failure (resources) or wrong result: drop the candidate
                 log(f"    {j + 1:3d}/{len(candidates)} {cfg.to_dict()} rejected: {type(exc).__name__}: "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Optional
 
@@ -36,7 +36,7 @@ def user_table_path(backend: str, device: DeviceInfo) -> Path:
     return base / f"{backend}-{safe}.json"
 
 
-@lru_cache(maxsize=None)
+@cache
 def _load(path: str, mtime: float) -> dict[str, TileConfig]:
     with open(path) as fh:
         data = json.load(fh)

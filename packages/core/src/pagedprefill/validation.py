@@ -153,7 +153,7 @@ def _validate_cache(p: PrefillProblem) -> None:
             raise ValueError(f"v_cache: expected shape {_shape(kc)} (the shape of k_cache), got {_shape(vc)}")
     if c.block_size < 1:
         raise ValueError(f"k_cache: expected block_size >= 1, got {c.block_size}")
-    for name in ("k_scale", "v_scale"):
+    for name in ("k_scale", "v_scale") if c.dtype.is_fp8 else ():
         s = getattr(c, name)
         if isinstance(s, torch.Tensor):
             if s.numel() != 1:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..device import DeviceInfo, interpreter_enabled, triton_installed
-from ..registry import Backend
+from ..registry import Backend, UnsupportedFeatureError
 from ..tiling import ProblemShape
 from ..types import PrefillProblem
 
@@ -50,6 +50,19 @@ class TritonBackend(Backend):
         if device.triton_backend is None:
             return [f"Triton has no active driver for {device.type} device {device.name!r}"]
         return self.hardware_reasons(device)
+
+    def check_problem(self, problem: PrefillProblem, device: DeviceInfo) -> None:
+        """Refuse a problem whose smallest tile cannot fit the device's shared memory."""
+        if device.type == "cpu" or not device.max_shared_mem:
+            return
+        shape = problem_shape(problem)
+        config = self.policy(shape, device)
+        need = config.shared_mem_bytes(shape.head_size, shape.element_size)
+        if need > device.max_shared_mem:
+            raise UnsupportedFeatureError(
+                f"head_size {shape.head_size} with {str(shape.dtype).replace('torch.', '')} needs {need} bytes of "
+                f"shared memory even with the smallest tile, but {device.name} has {device.max_shared_mem} per "
+                f"block; use float16/bfloat16 inputs or backend='reference'")
 
     def run(self, problem: PrefillProblem, device: DeviceInfo) -> None:
         from ..triton.launch import launch_prefill

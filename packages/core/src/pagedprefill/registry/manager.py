@@ -91,12 +91,28 @@ class Registry:
         """Every discovered backend, highest priority first."""
         with self._lock:
             if self._backends is None:
-                found: dict[str, Backend] = {}
-                for result in self._pm.hook.pagedprefill_backends():
-                    for backend in result or ():
-                        found.setdefault(backend.name, backend)
-                self._backends = found
+                self._backends = self._collect()
             return sorted(self._backends.values(), key=lambda b: (-b.priority, b.name))
+
+    def _collect(self) -> dict[str, Backend]:
+        """Call each plugin's hook on its own (in registration order), so one failing hook or a duplicate
+        name is recorded against that plugin instead of breaking every backend."""
+        found: dict[str, Backend] = {}
+        for impl in self._pm.hook.pagedprefill_backends.get_hookimpls():
+            try:
+                result = list(impl.function() or ())
+            except Exception as exc:
+                self._load_errors[impl.plugin_name] = f"{type(exc).__name__}: {exc}"
+                self._load_errors[impl.plugin_name + ":traceback"] = traceback.format_exc()
+                continue
+            for backend in result:
+                if backend.name in found:
+                    self._load_errors[impl.plugin_name] = (
+                        f"backend name {backend.name!r} is already taken by {type(found[backend.name]).__module__}; "
+                        "this one is ignored")
+                    continue
+                found[backend.name] = backend
+        return found
 
     def get(self, name: str) -> Backend:
         """The backend called ``name``; raises with the known names (and load errors) if there is none."""

@@ -1,18 +1,20 @@
 """Test support shipped with pagedprefill: random paged batches and the backend conformance suite.
 
 The pytest plugin in :mod:`pagedprefill.testing.plugin` is registered through the ``pytest11`` entry point,
-so its options and fixtures are available wherever pagedprefill is installed.
+so its options and fixtures are available wherever pagedprefill is installed. :class:`ConformanceSuite`
+needs pytest and is imported on first access; the rest works without it.
 """
 
 from .batches import BatchSpec, fresh_output, make_problem, with_output
-from .conformance import (
-    CASES,
-    DEFAULT_TOLERANCES,
-    ConformanceSuite,
-    assert_matches_reference,
-    case_spec,
-    random_spec,
-)
+from .cases import CASES, DEFAULT_TOLERANCES, assert_matches_reference, case_spec, random_spec
 
 __all__ = ["CASES", "DEFAULT_TOLERANCES", "BatchSpec", "ConformanceSuite", "assert_matches_reference",
            "case_spec", "fresh_output", "make_problem", "random_spec", "with_output"]
+
+
+def __getattr__(name):
+    if name == "ConformanceSuite":
+        from .conformance import ConformanceSuite
+
+        return ConformanceSuite
+    raise AttributeError(f"module 'pagedprefill.testing' has no attribute {name!r}")

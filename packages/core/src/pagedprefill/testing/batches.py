@@ -75,7 +75,7 @@ def make_problem(spec: BatchSpec, device="cpu") -> PrefillProblem:
     H, Hkv, D, bs = spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size
     blocks_per_seq = [-(-c // bs) for c in clens]
     width = max(blocks_per_seq + [1])
-    num_blocks = sum(blocks_per_seq) + spec.spare_blocks
+    num_blocks = max(1, sum(blocks_per_seq) + spec.spare_blocks)
     kv_dtype = KVCacheDType.parse(spec.kv_cache_dtype)
     cache = allocate_cache(num_blocks, bs, Hkv, D, spec.dtype, layout=spec.layout, kv_cache_dtype=kv_dtype,
                            device=device)

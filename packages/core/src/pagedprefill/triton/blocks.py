@@ -12,7 +12,7 @@ so inconsistent metadata can never read or write out of bounds.
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit

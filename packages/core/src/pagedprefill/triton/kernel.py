@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .blocks import (
+    LOG2E,
     cache_kv_offsets,
     finish_rows,
     locate_tile,
@@ -127,11 +128,11 @@ def prefix_prefill_kernel(
     if SOFTCAP:
         qk_scale = sm_scale
     else:
-        qk_scale = sm_scale * 1.4426950408889634
+        qk_scale = sm_scale * LOG2E
     qk_scale_cache = qk_scale * k_scale_v
     alibi2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     if ALIBI:
-        alibi2 = tl.load(alibi_slopes + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        alibi2 = tl.load(alibi_slopes + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -195,7 +196,7 @@ def prefix_prefill_kernel(
 
     sink2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     if SINKS:
-        sink2 = tl.load(sinks + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        sink2 = tl.load(sinks + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
     out = finish_rows(acc, m_i, l_i, sink2, 1.0, SINKS)
     o_off = q_rows.to(tl.int64)[:, None] * stride_ot + head.to(tl.int64)[:, None] * stride_oh + offs_d[None, :]
     tl.store(Out + o_off, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])

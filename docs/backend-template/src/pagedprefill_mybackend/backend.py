@@ -1,0 +1,63 @@
+"""The ``mybackend`` backend: core's Triton kernel with this package's tiling policy.
+
+Replace :data:`VENDOR` with the ``DeviceInfo.vendor`` of your hardware (``pagedprefill info`` prints it),
+and :meth:`MyBackend.hardware_reasons` with what your kernels need. Until then the backend supports no
+real device, so installing the template as it is never changes which backend a program uses.
+"""
+
+from __future__ import annotations
+
+from pagedprefill import UnsupportedFeatureError
+from pagedprefill.backends.triton_base import TritonBackend
+from pagedprefill.device import DeviceInfo
+from pagedprefill.types import PrefillProblem
+
+from .policy import my_policy
+
+#: The vendor this backend is for (placeholder: no device reports it).
+VENDOR = "myvendor"
+
+#: Oldest compute capability the kernels are tuned and tested for.
+MIN_CAPABILITY = (8, 0)
+
+#: Smallest shared memory per block the policy's tiles are planned for (bytes).
+MIN_SHARED_MEM = 32 * 1024
+
+
+class MyBackend(TritonBackend):
+    name = "mybackend"
+    #: reference 0, generic 100, hardware-specific backends 200 and up. The template sits below the
+    #: hardware-specific range; give a finished backend 200 or more so that it wins over generic.
+    priority = 150
+    description = "Triton kernels tuned for myvendor accelerators (template)"
+    policy = staticmethod(my_policy)
+
+    #: KV-cache formats the hardware can read. Remove the FP8 ones if it has no float8 conversion (and
+    #: declare the matching exclusions in tests/test_conformance.py).
+    kv_cache_dtypes = frozenset({"auto", "fp8_e4m3", "fp8_e5m2"})
+
+    def supports(self, device: DeviceInfo) -> list[str]:
+        """Reasons this backend cannot run on ``device`` (empty: it can). Cheap, and never raises."""
+        if device.vendor != VENDOR:
+            return [f"{self.name} is for {VENDOR} devices, not vendor {device.vendor!r} ({device.name})"]
+        # Triton installed, a Triton driver for the device, no TRITON_INTERPRET; then hardware_reasons().
+        return super().supports(device)
+
+    def hardware_reasons(self, device: DeviceInfo) -> list[str]:
+        reasons = []
+        if device.capability < MIN_CAPABILITY:
+            have, need = ".".join(map(str, device.capability)), ".".join(map(str, MIN_CAPABILITY))
+            reasons.append(f"needs compute capability {need} or newer, {device.name} has {have}")
+        if device.max_shared_mem and device.max_shared_mem < MIN_SHARED_MEM:
+            reasons.append(f"needs {MIN_SHARED_MEM // 1024} KiB of shared memory per block, "
+                           f"{device.name} has {device.max_shared_mem // 1024} KiB")
+        return reasons
+
+    def check_problem(self, problem: PrefillProblem, device: DeviceInfo) -> None:
+        """Refuse calls the hardware cannot compute, naming what to do instead."""
+        fmt = problem.cache.dtype.value
+        if fmt not in self.kv_cache_dtypes:
+            raise UnsupportedFeatureError(
+                f"{self.name}: {device.name} cannot read {fmt} KV caches; store the cache in the model dtype "
+                "(kv_cache_dtype='auto') or choose backend='generic' or backend='reference'"
+            )

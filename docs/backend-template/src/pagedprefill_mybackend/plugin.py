@@ -1,0 +1,15 @@
+"""Entry point of the ``mybackend`` backend.
+
+pagedprefill imports this module when it discovers plugins, in every process that imports pagedprefill,
+so it must stay cheap: no Triton import, no kernel compilation, no device query. The backend module is
+imported inside the hook, and :meth:`MyBackend.supports` looks only at the :class:`DeviceInfo` it is given.
+"""
+
+import pagedprefill
+
+
+@pagedprefill.hookimpl
+def pagedprefill_backends():
+    from .backend import MyBackend
+
+    return [MyBackend()]

@@ -1,0 +1,66 @@
+"""mybackend against the reference: core's conformance suite, plus checks of registration and policy.
+
+Run on the backend's hardware with ``pytest tests``; without it, on the CPU with ``TRITON_INTERPRET=1
+pytest tests --pagedprefill-device=cpu`` (slow, small cases; the policy then sees a CPU description).
+"""
+
+import dataclasses
+
+import pagedprefill
+import pytest
+import torch
+from pagedprefill.device import DeviceInfo, interpreter_enabled
+from pagedprefill.testing import ConformanceSuite
+from pagedprefill.tiling import ProblemShape
+from pagedprefill_mybackend import VENDOR, MyBackend, my_policy
+
+OWN_DEVICE = DeviceInfo(type="cuda", vendor=VENDOR, name="placeholder accelerator", index=0, capability=(9, 0),
+                        warp_size=32, num_sms=64, max_shared_mem=64 * 1024, triton_backend="cuda")
+
+
+class TestMyBackendConformance(ConformanceSuite):
+    backend = "mybackend"
+    # Declare the cases the hardware cannot compute (they are reported as skips with the reason), e.g.:
+    # exclusions = {case: "no float8 conversion on this hardware"
+    #               for case in ("fp8_e4m3", "fp8_e5m2", "fp8_split_tensor_scales")}
+
+    @pytest.fixture(autouse=True)
+    def _needs_a_triton_device(self, pagedprefill_device):
+        if pagedprefill_device.type == "cpu" and not interpreter_enabled():
+            pytest.skip("on the CPU the Triton kernel runs only in Triton's interpreter: set TRITON_INTERPRET=1")
+
+    def device_info(self, device: torch.device) -> DeviceInfo:
+        """What the backend is told about the device: the real one, or a description under the interpreter."""
+        if device.type == "cpu":
+            return OWN_DEVICE  # the kernels run in the interpreter; the policy plans for the target hardware
+        info = DeviceInfo.detect(device)
+        reasons = MyBackend().supports(info)
+        if reasons:
+            pytest.skip(f"mybackend cannot run on {info.describe()}: {'; '.join(reasons)}")
+        return info
+
+
+def test_registered_through_the_entry_point():
+    backend = pagedprefill.get_registry().get("mybackend")
+    assert isinstance(backend, MyBackend)
+    assert backend.priority == 150
+
+
+def test_supports_only_its_own_vendor():
+    other = DeviceInfo(type="cuda", vendor="nvidia", name="NVIDIA H200", index=0, capability=(9, 0),
+                       num_sms=132, max_shared_mem=227 * 1024, triton_backend="cuda")
+    assert MyBackend().supports(other) != []
+    assert MyBackend().supports(DeviceInfo(type="cpu", vendor="cpu", name="cpu")) != []
+    assert MyBackend().hardware_reasons(OWN_DEVICE) == []
+    old = dataclasses.replace(OWN_DEVICE, capability=(7, 0))
+    assert any("capability" in reason for reason in MyBackend().hardware_reasons(old))
+
+
+@pytest.mark.parametrize("head_size", [1, 24, 64, 96, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_policy_tiles_fit_shared_memory(head_size, dtype):
+    for num_tokens, num_seqs in ((8, 8), (8192, 2)):
+        shape = ProblemShape(head_size=head_size, num_heads=32, num_kv_heads=8, dtype=dtype,
+                             num_tokens=num_tokens, num_seqs=num_seqs)
+        tile = my_policy(shape, OWN_DEVICE)
+        assert tile.shared_mem_bytes(head_size, shape.element_size) <= OWN_DEVICE.max_shared_mem, tile
