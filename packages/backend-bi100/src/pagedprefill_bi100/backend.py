@@ -7,18 +7,19 @@ limits. The device must be identified as Iluvatar by :meth:`pagedprefill.DeviceI
 BI-V100 from an NVIDIA V100.
 
 Every feature of core's kernel is available (GQA/MQA, ALiBi, sliding window, softcap, sinks,
-fp16/bf16/fp32, head sizes up to 256, any block size) except FP8 KV caches: Triton on this hardware has
-no FP8 types.
+fp16/bf16/fp32, head sizes up to 256, any block size) except FP8 KV caches, as Triton on this hardware
+has no FP8 types. float32 with head sizes above 128 needs more than 48 KiB of shared memory per block even
+with the smallest tile, so it is refused on BI-V100 (it runs on ivcore11 parts).
 """
 
 from __future__ import annotations
 
-from pagedprefill.backends.triton_base import TritonBackend
+from pagedprefill.backends.triton_base import TritonBackend, problem_shape
 from pagedprefill.device import DeviceInfo
 from pagedprefill.registry import UnsupportedFeatureError
 from pagedprefill.types import PrefillProblem
 
-from .policy import bi100_policy
+from .policy import bi100_policy, unfit_reason
 
 VENDOR = "iluvatar"
 
@@ -26,8 +27,8 @@ VENDOR = "iluvatar"
 class Bi100Backend(TritonBackend):
     name = "bi100"
     priority = 200
-    description = ("Iluvatar CoreX (BI-V100, BI-V150, BI-V150S, MR-V50): core's Triton kernel, 64-wide warps, "
-                   "at most 2 pipeline stages, tiles fitted to shared memory; no FP8 KV cache")
+    description = ("Iluvatar CoreX GPUs (BI-V100, BI-V150, MR-V50): Triton kernels with tiles fitted to their "
+                   "shared memory; no FP8 KV cache")
     runs_in_interpreter = False
     policy = staticmethod(bi100_policy)
 
@@ -50,4 +51,11 @@ class Bi100Backend(TritonBackend):
                 f"Alternatives: store the cache in the model dtype (fp16 or bf16) and pass kv_cache_dtype='auto', "
                 f"or run this call on the reference backend (backend='reference' or "
                 f"PAGEDPREFILL_BACKEND=reference), which dequantises FP8 in PyTorch (slow)."
+            )
+        reason = unfit_reason(problem_shape(problem), device)
+        if reason is not None:
+            raise UnsupportedFeatureError(
+                f"backend 'bi100' cannot run this call on {device.name}: {reason}. Alternatives: fp16 or bf16 "
+                f"queries and cache (half the shared memory), or the reference backend (backend='reference' or "
+                f"PAGEDPREFILL_BACKEND=reference)."
             )

@@ -51,13 +51,12 @@ def search_space(shape: ProblemShape, device: DeviceInfo) -> list[TileConfig]:
     """Candidates for ``pagedprefill tune``: tile sizes, warps, stages and GQA packing that fit the device."""
     out = []
     group = shape.group_size
-    for block_m in (64, 128):
+    for block_m, warps in ((64, 4), (128, 4), (128, 8)):
         for block_n in (32, 64, 128):
-            for warps in (4, 8):
-                for stages in (2, 3, 4):
-                    for heads in sorted({1, min(group, block_m // 16)}):
-                        cfg = TileConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
-                                         heads_per_tile=heads)
-                        if cfg.fits(shape.head_size, shape.element_size, device):
-                            out.append(cfg)
+            for stages in (2, 3):
+                for heads in sorted({1, min(group, block_m // 16)}):
+                    cfg = TileConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
+                                     heads_per_tile=heads)
+                    if cfg.fits(shape.head_size, shape.element_size, device):
+                        out.append(cfg)
     return out

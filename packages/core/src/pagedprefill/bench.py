@@ -151,11 +151,14 @@ def run_suite(backends: list[str], workloads: list[Workload], device: torch.devi
             impls["reference"] = lambda pr=problem: get_registry().get("reference").run(pr, info)
         impls.update(sdpa_peers(problem))
         for label, fn in impls.items():
+            fn()  # warm-up and compile, then one call alone for peak memory (do_bench allocates its own buffers)
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             base_mem = torch.cuda.memory_allocated(device)
-            ms = _median_ms(fn, reps if label != "reference" else 10)
+            fn()
+            torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_allocated(device) - base_mem
+            ms = _median_ms(fn, reps if label != "reference" else 10)
             row = {"workload": wl.name, "impl": label, "ms": ms, "tflops": f / ms / 1e9,
                    "peak_extra_mib": peak / 2**20, "note": wl.note}
             if label in ours:

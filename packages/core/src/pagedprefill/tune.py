@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -32,7 +33,8 @@ def check_spec(head_size: int, dtype: torch.dtype) -> BatchSpec:
                      head_size=head_size, block_size=16, dtype=dtype, seed=3)
 
 
-def tune(backend_name: str, head_sizes, dtypes, workloads, device: torch.device, log=print) -> dict:
+def tune(backend_name: str, head_sizes, dtypes, workloads, device: torch.device, log=print,
+         on_key=None) -> dict:
     import triton.testing
 
     from .api import get_registry
@@ -74,6 +76,8 @@ def tune(backend_name: str, head_sizes, dtypes, workloads, device: torch.device,
         if best is not None:
             entries[key] = best[1]
             report.append((key, best[0], best[1]))
+            if on_key is not None:
+                on_key(key, best[1])  # saved as soon as a key is done: an interrupted sweep keeps its results
         del problem, check
     return {"entries": entries, "report": report}
 
@@ -88,11 +92,14 @@ def cmd_tune(args) -> int:
     device = torch.device(args.device or "cuda")
     info = DeviceInfo.detect(device)
     t0 = time.time()
+    path = user_table_path(args.backend, info) if args.out is None else Path(args.out)
+
+    def save(key, config):
+        merged = {**load_table(path), key: config}
+        save_table(path, info, merged, {"backend": args.backend, "date": time.strftime("%Y-%m-%d")})
+
     result = tune(args.backend, args.head_size, args.dtype, args.workload, device,
-                  log=lambda m: print(m, file=sys.stderr, flush=True))
-    path = user_table_path(args.backend, info) if args.out is None else __import__("pathlib").Path(args.out)
-    merged = {**load_table(path), **result["entries"]}
-    save_table(path, info, merged, {"backend": args.backend, "date": time.strftime("%Y-%m-%d")})
+                  log=lambda m: print(m, file=sys.stderr, flush=True), on_key=save)
     print(f"\ntuned {len(result['entries'])} keys in {time.time() - t0:.0f} s on {info.describe()}")
     for key, ms, cfg in result["report"]:
         print(f"  {key:<28} {ms:8.3f} ms  {cfg.to_dict()}")

@@ -24,7 +24,7 @@ from typing import Iterable, Optional, Union
 
 import pluggy
 
-from ..device import DeviceInfo
+from ..device import DeviceInfo, interpreter_enabled
 from . import hookspecs
 from .backend import Backend, BackendUnavailableError
 
@@ -141,7 +141,7 @@ class Registry:
         if isinstance(backend, Backend):
             return self._require(backend, device)
         env = os.environ.get(ENV_BACKEND, "").strip()
-        key = (device, backend, env)
+        key = (device, backend, env, interpreter_enabled())
         chosen = self._selected.get(key)
         if chosen is None:
             chosen = self._select_uncached(device, backend, env)

@@ -136,7 +136,7 @@ def finish_rows(acc, m_i, l_i, sink2, out_scale, SINKS: tl.constexpr):
         rescale = tl.exp2(m_i - m_fin)
         l_i = l_i * rescale + tl.exp2(sink2 - m_fin)
         acc = acc * rescale[:, None]
-    inv = tl.where(l_i > 0.0, out_scale / l_i, 0.0)
+    inv = tl.where(l_i > 0.0, out_scale / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
     return acc * inv[:, None]
 
 

@@ -115,7 +115,9 @@ def prefix_prefill_kernel(
     head_in_group = chunk * HEADS_PER_TILE + offs_m % HEADS_PER_TILE
     head = kv_head * group_size + head_in_group
     q_rows = seq_row0 + tok
-    row_ok = (tok < q_len) & (head_in_group < group_size) & (q_rows >= 0) & (q_rows < num_tokens)
+    # Rows past TOKENS_PER_TILE * HEADS_PER_TILE (when the packed heads do not divide BLOCK_M) belong to no token.
+    row_ok = (offs_m < TOKENS_PER_TILE * HEADS_PER_TILE) & (tok < q_len) & (head_in_group < group_size)
+    row_ok = row_ok & (q_rows >= 0) & (q_rows < num_tokens)
     q_pos = tl.where(row_ok, ctx_len + tok, -1)
 
     q_off = q_rows.to(tl.int64)[:, None] * stride_qt + head.to(tl.int64)[:, None] * stride_qh + offs_d[None, :]

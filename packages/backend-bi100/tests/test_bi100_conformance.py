@@ -1,0 +1,21 @@
+"""The core conformance suite on the bi100 backend, with the BI-V100 policy forced.
+
+The backend runs directly (selection bypassed) on the suite's device: Triton's interpreter on the CPU, or
+a GPU, where the described BI-V100 makes core's kernel run with the tiles this backend picks on a BI-V100.
+"""
+
+import torch
+from pagedprefill import DeviceInfo
+from pagedprefill.testing import ConformanceSuite
+from pagedprefill_bi100 import described_devices
+
+NO_FP8 = "Triton on Iluvatar CoreX has no FP8: the bi100 backend refuses FP8 KV caches"
+
+
+class TestBi100Conformance(ConformanceSuite):
+    backend = "bi100"
+    exclusions = {"fp8_e4m3": NO_FP8, "fp8_e5m2": NO_FP8, "fp8_split_tensor_scales": NO_FP8}
+
+    def device_info(self, device: torch.device) -> DeviceInfo:
+        # The tensors stay on ``device``; only the policy sees a BI-V100.
+        return described_devices()["BI-V100"]
