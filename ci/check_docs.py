@@ -11,7 +11,8 @@ LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 def check_links() -> list[str]:
     problems = []
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "packages").glob("*/README.md"))]
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")),
+             *sorted((ROOT / "packages").glob("*/README.md"))]
     for page in pages:
         for target in LINK.findall(page.read_text()):
             if "://" in target or target.startswith("mailto:"):

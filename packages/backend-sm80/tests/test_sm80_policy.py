@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-
 from pagedprefill import DeviceInfo, select_backend
 from pagedprefill.tiling import ProblemShape, TileConfig
 from pagedprefill.tuning import table_key, user_table_path
@@ -16,7 +15,9 @@ def nvidia(cap, smem, name="NVIDIA X"):
                       max_shared_mem=smem, triton_backend="cuda")
 
 
-A100, L40, H200 = nvidia((8, 0), 163 * 1024, "A100"), nvidia((8, 9), 99 * 1024, "L40"), nvidia((9, 0), 227 * 1024, "H200")
+A100 = nvidia((8, 0), 163 * 1024, "A100")
+L40 = nvidia((8, 9), 99 * 1024, "L40")
+H200 = nvidia((9, 0), 227 * 1024, "H200")
 V100 = nvidia((7, 0), 96 * 1024, "Tesla V100")
 ILUVATAR_FUTURE = DeviceInfo(type="cuda", index=0, vendor="iluvatar", name="Iluvatar future", capability=(8, 0),
                              warp_size=64, num_sms=16, max_shared_mem=128 * 1024, triton_backend="cuda")
