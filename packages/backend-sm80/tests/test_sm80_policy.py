@@ -10,6 +10,12 @@ from pagedprefill.tuning import table_key, user_table_path
 from pagedprefill_sm80 import Sm80Backend, sm80_policy
 
 
+@pytest.fixture(autouse=True)
+def _described_gpus_need_no_interpreter(monkeypatch):
+    """These tests describe GPUs; Triton's interpreter (set for the kernel tests) would veto every GPU."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
 def nvidia(cap, smem, name="NVIDIA X"):
     return DeviceInfo(type="cuda", index=0, vendor="nvidia", name=name, capability=cap, warp_size=32, num_sms=100,
                       max_shared_mem=smem, triton_backend="cuda")

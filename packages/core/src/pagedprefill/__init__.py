@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from . import ops  # registers torch.ops.pagedprefill.prefill_attention(_) for torch.compile / CUDA graphs
 from .api import (
     available_backends,
     context_attention_fwd,
@@ -46,8 +47,9 @@ __all__ = [
     "AttentionOptions", "Backend", "BackendUnavailableError", "BatchMetadata", "DeviceInfo", "ENTRY_POINT_GROUP",
     "ENV_BACKEND", "KVCacheDType", "KVLayout", "PagedKVCache", "PrefillProblem", "ProblemShape", "TileConfig",
     "TilingPolicy", "UnsupportedFeatureError", "allocate_cache", "available_backends", "context_attention_fwd",
-    "dispatch", "fp8_scale_for", "gather_kv", "get_registry", "hookimpl", "import_selection", "prefill_attention",
-    "quantize_fp8", "reference_prefill", "reset_registry", "select_backend", "validate_problem", "write_to_cache",
+    "dispatch", "fp8_scale_for", "gather_kv", "get_registry", "hookimpl", "import_selection", "ops",
+    "prefill_attention", "quantize_fp8", "reference_prefill", "reset_registry", "select_backend", "validate_problem",
+    "write_to_cache",
 ]
 
 _import_selection: Optional[Backend] = None
