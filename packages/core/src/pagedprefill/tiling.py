@@ -95,6 +95,8 @@ class TileConfig:
             ``block_m // heads_per_tile`` tokens share a tile. 1 = one head per program.
         split_masks: run unmasked key tiles without mask arithmetic and masked tiles (diagonal, window
             edges, tails) separately. False applies every mask to every tile (smaller code).
+        pagewise: address cached keys page by page (one block-table read per page) when the block size is
+            a power of two that divides or is a multiple of ``block_n``; otherwise, or when False, per key.
     """
 
     block_m: int = 64
@@ -103,6 +105,7 @@ class TileConfig:
     num_stages: int = 1
     heads_per_tile: int = 1
     split_masks: bool = True
+    pagewise: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "num_warps"):
@@ -141,7 +144,7 @@ class TileConfig:
     def to_dict(self) -> dict:
         return {"block_m": self.block_m, "block_n": self.block_n, "num_warps": self.num_warps,
                 "num_stages": self.num_stages, "heads_per_tile": self.heads_per_tile,
-                "split_masks": self.split_masks}
+                "split_masks": self.split_masks, "pagewise": self.pagewise}
 
 
 @runtime_checkable

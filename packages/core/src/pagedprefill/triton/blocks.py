@@ -66,6 +66,42 @@ def cache_kv_offsets(block_row_ptr, stride_table_col, table_width, num_blocks, p
 
 
 @triton.jit
+def paged_kv_offsets(block_row_ptr, stride_table_col, table_width, num_blocks, n0, kv_head, offs_d,
+                     stride_kb, stride_kh, stride_kd, stride_kt, stride_kx,
+                     stride_vb, stride_vh, stride_vd, stride_vt,
+                     X: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr):
+    """Page-wise offsets of a key tile starting at ``n0`` (a multiple of ``BLOCK_N``), both ``[N, D]``.
+
+    Reads one block-table entry per page instead of one per key: a tile inside one page
+    (``PAGE_SIZE % BLOCK_N == 0``) uses a single entry and contiguous slots; a tile spanning whole pages
+    (``BLOCK_N % PAGE_SIZE == 0``) reads ``BLOCK_N // PAGE_SIZE`` entries and lays the pages side by side.
+    """
+    head = kv_head.to(tl.int64)
+    d = offs_d.to(tl.int64)
+    if PAGE_SIZE % BLOCK_N == 0:
+        col = tl.minimum(n0 // PAGE_SIZE, table_width - 1)
+        page = tl.load(block_row_ptr + col * stride_table_col).to(tl.int64)
+        page = tl.where((page >= 0) & (page < num_blocks), page, 0)
+        slot = (n0 % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)
+        k_off = (page * stride_kb + head * stride_kh + (d[None, :] // X) * stride_kd + slot[:, None] * stride_kt
+                 + (d[None, :] % X) * stride_kx)
+        v_off = page * stride_vb + head * stride_vh + d[None, :] * stride_vd + slot[:, None] * stride_vt
+    else:
+        PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
+        cols = tl.minimum(n0 // PAGE_SIZE + tl.arange(0, PAGES), table_width - 1)
+        pages = tl.load(block_row_ptr + cols * stride_table_col).to(tl.int64)
+        pages = tl.where((pages >= 0) & (pages < num_blocks), pages, 0)
+        slot = tl.arange(0, PAGE_SIZE).to(tl.int64)
+        k3 = (pages[:, None, None] * stride_kb + head * stride_kh + (d[None, None, :] // X) * stride_kd
+              + slot[None, :, None] * stride_kt + (d[None, None, :] % X) * stride_kx)
+        v3 = (pages[:, None, None] * stride_vb + head * stride_vh + d[None, None, :] * stride_vd
+              + slot[None, :, None] * stride_vt)
+        k_off = tl.reshape(k3, [BLOCK_N, HEAD_SIZE_PADDED])
+        v_off = tl.reshape(v3, [BLOCK_N, HEAD_SIZE_PADDED])
+    return k_off, v_off
+
+
+@triton.jit
 def new_kv_offsets(rows, kv_head, offs_d, stride_kt, stride_kh, stride_vt, stride_vh):
     """64-bit offsets of the new tokens' keys (``[D, N]``) and values (``[N, D]``) at packed ``rows``."""
     r = rows.to(tl.int64)

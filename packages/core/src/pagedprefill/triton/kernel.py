@@ -22,6 +22,7 @@ from .blocks import (
     logits,
     new_kv_offsets,
     online_softmax_step,
+    paged_kv_offsets,
     scalar_or_load,
     split_range,
     visible,
@@ -34,20 +35,37 @@ def _cache_phase(acc, m_i, l_i, q, q_pos, alibi2, start, end, ctx_len, window, s
                  stride_kb, stride_kh, stride_kd, stride_kt, stride_kx,
                  stride_vb, stride_vh, stride_vd, stride_vt,
                  X: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
-                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Attend to cached positions ``[start, end)`` of the paged cache, ``BLOCK_N`` at a time."""
+                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr):
+    """Attend to cached positions ``[start, end)`` of the paged cache, ``BLOCK_N`` at a time.
+
+    ``PAGE_SIZE > 0`` (the block size, when it and ``BLOCK_N`` divide one another) addresses keys page by
+    page; 0 looks up the block table per key, which serves any block size.
+    """
     offs_n = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         k_valid = pos < ctx_len
-        k_off, v_off = cache_kv_offsets(block_row_ptr, stride_table_col, table_width, num_blocks, pos, block_size, kv_head,
-                                        offs_d, stride_kb, stride_kh, stride_kd, stride_kt, stride_kx,
-                                        stride_vb, stride_vh, stride_vd, stride_vt, X)
+        if PAGE_SIZE > 0:
+            k_off, v_off = paged_kv_offsets(block_row_ptr, stride_table_col, table_width, num_blocks, n0, kv_head, offs_d,
+                                            stride_kb, stride_kh, stride_kd, stride_kt, stride_kx,
+                                            stride_vb, stride_vh, stride_vd, stride_vt,
+                                            X, BLOCK_N, PAGE_SIZE, HEAD_SIZE_PADDED)
+            if MASKED:
+                k = tl.trans(tl.load(K_cache + k_off, mask=k_valid[:, None] & d_mask[None, :], other=0.0))
+            else:
+                k = tl.trans(tl.load(K_cache + k_off, mask=d_mask[None, :], other=0.0))
+        else:
+            k_off, v_off = cache_kv_offsets(block_row_ptr, stride_table_col, table_width, num_blocks, pos, block_size,
+                                            kv_head, offs_d, stride_kb, stride_kh, stride_kd, stride_kt, stride_kx,
+                                            stride_vb, stride_vh, stride_vd, stride_vt, X)
+            if MASKED:
+                k = tl.load(K_cache + k_off, mask=d_mask[:, None] & k_valid[None, :], other=0.0)
+            else:
+                k = tl.load(K_cache + k_off, mask=d_mask[:, None], other=0.0)
         if MASKED:
-            k = tl.load(K_cache + k_off, mask=d_mask[:, None] & k_valid[None, :], other=0.0)
             v = tl.load(V_cache + v_off, mask=k_valid[:, None] & d_mask[None, :], other=0.0)
         else:
-            k = tl.load(K_cache + k_off, mask=d_mask[:, None], other=0.0)
             v = tl.load(V_cache + v_off, mask=d_mask[None, :], other=0.0)
         s = logits(q, k.to(q.dtype), qk_scale, softcap, alibi2, q_pos, pos, SOFTCAP, ALIBI, DOT_PRECISION)
         if MASKED:
@@ -95,7 +113,7 @@ def prefix_prefill_kernel(
     HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr, X: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_PER_TILE: tl.constexpr, HEAD_CHUNKS: tl.constexpr,
     SPLIT_MASKS: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    SINKS: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
+    SINKS: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // HEADS_PER_TILE
@@ -163,17 +181,17 @@ def prefix_prefill_kernel(
                                  K_cache, V_cache, block_row_ptr, stride_table_col, table_width, num_blocks, block_size, kv_head,
                                  offs_d, d_mask, stride_ckb, stride_ckh, stride_ckd, stride_ckt, stride_ckx,
                                  stride_cvb, stride_cvh, stride_cvd, stride_cvt,
-                                 X, BLOCK_N, True, WINDOW, SOFTCAP, ALIBI, DOT_PRECISION)
+                                 X, BLOCK_N, True, WINDOW, SOFTCAP, ALIBI, DOT_PRECISION, PAGE_SIZE, HEAD_SIZE_PADDED)
     acc, m_i, l_i = _cache_phase(acc, m_i, l_i, q, q_pos, alibi2, a, b, ctx_len, window, softcap, qk_scale_cache,
                                  K_cache, V_cache, block_row_ptr, stride_table_col, table_width, num_blocks, block_size, kv_head,
                                  offs_d, d_mask, stride_ckb, stride_ckh, stride_ckd, stride_ckt, stride_ckx,
                                  stride_cvb, stride_cvh, stride_cvd, stride_cvt,
-                                 X, BLOCK_N, False, WINDOW, SOFTCAP, ALIBI, DOT_PRECISION)
+                                 X, BLOCK_N, False, WINDOW, SOFTCAP, ALIBI, DOT_PRECISION, PAGE_SIZE, HEAD_SIZE_PADDED)
     acc, m_i, l_i = _cache_phase(acc, m_i, l_i, q, q_pos, alibi2, b, c_end, ctx_len, window, softcap, qk_scale_cache,
                                  K_cache, V_cache, block_row_ptr, stride_table_col, table_width, num_blocks, block_size, kv_head,
                                  offs_d, d_mask, stride_ckb, stride_ckh, stride_ckd, stride_ckt, stride_ckx,
                                  stride_cvb, stride_cvh, stride_cvd, stride_cvt,
-                                 X, BLOCK_N, True, WINDOW, SOFTCAP, ALIBI, DOT_PRECISION)
+                                 X, BLOCK_N, True, WINDOW, SOFTCAP, ALIBI, DOT_PRECISION, PAGE_SIZE, HEAD_SIZE_PADDED)
 
     acc = acc * v_scale_v
 

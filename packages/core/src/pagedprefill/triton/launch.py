@@ -68,6 +68,8 @@ def launch_prefill(problem: PrefillProblem, config: TileConfig):
     opts = p.options
     table = p.batch.block_table
     grid = (T // tokens_per_tile + B, p.num_kv_heads * head_chunks)
+    bs = p.cache.block_size
+    pagewise = config.pagewise and bs & (bs - 1) == 0 and (config.block_n % bs == 0 or bs % config.block_n == 0)
     device_ctx = torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
     with device_ctx:
         return prefix_prefill_kernel[grid](
@@ -85,7 +87,7 @@ def launch_prefill(problem: PrefillProblem, config: TileConfig):
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEADS_PER_TILE=heads_per_tile,
             HEAD_CHUNKS=head_chunks, SPLIT_MASKS=config.split_masks, WINDOW=opts.window > 0,
             SOFTCAP=opts.softcap > 0, ALIBI=opts.alibi_slopes is not None, SINKS=opts.sinks is not None,
-            K_SCALE_PTR=k_from_ptr, V_SCALE_PTR=v_from_ptr,
+            K_SCALE_PTR=k_from_ptr, V_SCALE_PTR=v_from_ptr, PAGE_SIZE=bs if pagewise else 0,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
