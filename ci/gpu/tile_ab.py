@@ -28,7 +28,7 @@ for wl in [w for w in default_suite() if w.name.startswith(wanted)]:
         launch_prefill(check, cfg)
         atol, rtol = DEFAULT_TOLERANCES[wl.spec.dtype]
         assert_matches_reference(check.out, check, atol, rtol, label=name)
-        ms = triton.testing.do_bench(lambda c=cfg: launch_prefill(problem, c), warmup=25, rep=100,
+        ms = triton.testing.do_bench(lambda c=cfg, pr=problem: launch_prefill(pr, c), warmup=25, rep=100,
                                      return_mode="median")
         print(f"{wl.name:<32} {name:<22} {ms:8.3f} ms {f / ms / 1e9:7.1f} TFLOP/s", flush=True)
     del problem
