@@ -1,0 +1,221 @@
+"""pagedprefill as PyTorch custom operators, for code compiled with ``torch.compile`` or captured in CUDA graphs.
+
+Two operators in the ``pagedprefill`` namespace, registered when ``pagedprefill`` is imported:
+
+* ``torch.ops.pagedprefill.prefill_attention(q, k, v, k_cache, v_cache, block_table, query_start, seq_lens,
+  context_lens, ...) -> Tensor``: functional, returns a new output ``[T, H, D]``;
+* ``torch.ops.pagedprefill.prefill_attention_(q, k, v, out, k_cache, v_cache, block_table, query_start,
+  seq_lens, context_lens, ...) -> None``: writes ``out`` in place (``out`` sits where the drop-in
+  :func:`pagedprefill.context_attention_fwd` has ``o``).
+
+Both take only tensors and scalars, so ``torch.compile(fullgraph=True)`` traces a call as one graph node
+(the meta implementation gives the output's shape, dtype and device without running anything) and never
+breaks the graph on the typed objects of the Python API. Arguments after ``context_lens`` have defaults and
+can be passed by keyword:
+
+========================== ======================= ================================================
+argument                   default                 meaning
+========================== ======================= ================================================
+``layout``                 ``"auto"``              ``"nhd"``, ``"split"``, or ``"auto"``: split when
+                                                   ``k_cache`` is 5-D, else NHD
+``kv_cache_dtype``         ``"auto"``              ``"auto"``, ``"fp8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``
+``k_scale``, ``v_scale``   ``1.0``                 FP8 dequantisation scales as floats
+``k_scale_tensor``,        ``None``                the same as 1-element float tensors (read on the
+``v_scale_tensor``                                 device, no host sync); a tensor wins over the float
+``sm_scale``               ``0.0``                 softmax scale; ``<= 0`` means ``1 / sqrt(head_size)``
+``sliding_window``         ``0``                   ``<= 0`` means no window
+``softcap``                ``0.0``                 logit soft-capping, 0 = off
+``alibi_slopes``           ``None``                ``[H]`` ALiBi slopes
+``sinks``                  ``None``                ``[H]`` sink logits
+``max_query_len``          ``-1``                  a hint (upper bound of new tokens); ``< 0`` = none
+``backend``                ``""``                  a backend name; ``""`` chooses by device
+========================== ======================= ================================================
+
+The tensors and their semantics are those of :func:`pagedprefill.prefill_attention`. The operators run
+``pagedprefill.dispatch`` with ``validate="basic"`` (shape, dtype and device checks, which the meta
+implementation also performs while tracing, so a wrong call fails at compile time with the same message).
+
+Example::
+
+    import pagedprefill  # registers the operators
+
+    @torch.compile(fullgraph=True)
+    def attend(q, k, v, k_cache, v_cache, block_table, query_start, seq_lens, context_lens, k_scale, v_scale):
+        return torch.ops.pagedprefill.prefill_attention(
+            q, k, v, k_cache, v_cache, block_table, query_start, seq_lens, context_lens,
+            kv_cache_dtype="fp8", k_scale_tensor=k_scale, v_scale_tensor=v_scale, sliding_window=4096)
+
+The operators have no autograd formula (inference only): call them on tensors that do not require grad
+(under ``torch.no_grad()`` or ``torch.inference_mode()``). The Triton backends launch without any host
+synchronisation, so the operators can be captured in a CUDA graph (``mode="reduce-overhead"``); the
+``reference`` backend reads the lengths on the host and cannot be captured.
+
+This module imports neither Triton nor any backend: Triton is imported by the first call that runs a Triton
+backend, as with the Python API.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .api import dispatch
+from .types import AttentionOptions, BatchMetadata, KVCacheDType, KVLayout, PagedKVCache, PrefillProblem
+from .validation import validate_problem
+
+__all__ = ["LIBRARY_NAMESPACE", "build_problem", "prefill_attention", "prefill_attention_"]
+
+LIBRARY_NAMESPACE = "pagedprefill"
+
+
+def build_problem(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    layout: str = "auto",
+    kv_cache_dtype: str = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    k_scale_tensor: Optional[torch.Tensor] = None,
+    v_scale_tensor: Optional[torch.Tensor] = None,
+    sm_scale: float = 0.0,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
+    max_query_len: int = -1,
+) -> PrefillProblem:
+    """The :class:`PrefillProblem` an operator call describes (the operators' scalar conventions applied)."""
+    if not isinstance(layout, str):
+        raise TypeError(f"layout: expected 'nhd', 'split' or 'auto', got {type(layout).__name__}")
+    if layout.lower() == "auto":
+        cache_layout = KVLayout.SPLIT if k_cache.dim() == 5 else KVLayout.NHD
+    else:
+        try:
+            cache_layout = KVLayout(layout.lower())
+        except ValueError:
+            raise ValueError(f"layout: expected 'nhd', 'split' or 'auto', got {layout!r}") from None
+    cache = PagedKVCache(
+        k_cache, v_cache, cache_layout, KVCacheDType.parse(kv_cache_dtype),
+        k_scale_tensor if k_scale_tensor is not None else k_scale,
+        v_scale_tensor if v_scale_tensor is not None else v_scale,
+    )
+    batch = BatchMetadata(query_start=query_start, seq_lens=seq_lens, context_lens=context_lens,
+                          block_table=block_table, max_query_len=max_query_len if max_query_len >= 0 else None)
+    options = AttentionOptions(
+        sm_scale=sm_scale if sm_scale > 0 else None,
+        alibi_slopes=alibi_slopes,
+        sliding_window=sliding_window if sliding_window > 0 else None,
+        softcap=softcap,
+        sinks=sinks,
+    )
+    return PrefillProblem(q=q, k=k, v=v, out=out, cache=cache, batch=batch, options=options)
+
+
+def _run(problem: PrefillProblem, backend: str) -> None:
+    dispatch(problem, backend=backend or None, validate="basic")
+
+
+def _check(problem: PrefillProblem) -> None:
+    """The ``basic`` validation (shapes, dtypes, devices only), usable on fake tensors while tracing."""
+    validate_problem(problem, "basic")
+
+
+@torch.library.custom_op(f"{LIBRARY_NAMESPACE}::prefill_attention", mutates_args=())
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    layout: str = "auto",
+    kv_cache_dtype: str = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    k_scale_tensor: Optional[torch.Tensor] = None,
+    v_scale_tensor: Optional[torch.Tensor] = None,
+    sm_scale: float = 0.0,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
+    max_query_len: int = -1,
+    backend: str = "",
+) -> torch.Tensor:
+    """Prefix-prefill attention over a paged KV cache; returns a new ``[T, H, D]`` tensor (see the module)."""
+    out = torch.empty_like(q)
+    problem = build_problem(q, k, v, out, k_cache, v_cache, block_table, query_start, seq_lens, context_lens,
+                            layout, kv_cache_dtype, k_scale, v_scale, k_scale_tensor, v_scale_tensor, sm_scale,
+                            sliding_window, softcap, alibi_slopes, sinks, max_query_len)
+    _run(problem, backend)
+    return out
+
+
+@prefill_attention.register_fake
+def _prefill_attention_fake(
+    q, k, v, k_cache, v_cache, block_table, query_start, seq_lens, context_lens, layout="auto",
+    kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, k_scale_tensor=None, v_scale_tensor=None, sm_scale=0.0,
+    sliding_window=0, softcap=0.0, alibi_slopes=None, sinks=None, max_query_len=-1, backend="",
+):
+    out = torch.empty_like(q)
+    _check(build_problem(q, k, v, out, k_cache, v_cache, block_table, query_start, seq_lens, context_lens,
+                         layout, kv_cache_dtype, k_scale, v_scale, k_scale_tensor, v_scale_tensor, sm_scale,
+                         sliding_window, softcap, alibi_slopes, sinks, max_query_len))
+    return out
+
+
+@torch.library.custom_op(f"{LIBRARY_NAMESPACE}::prefill_attention_", mutates_args=("out",))
+def prefill_attention_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    layout: str = "auto",
+    kv_cache_dtype: str = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    k_scale_tensor: Optional[torch.Tensor] = None,
+    v_scale_tensor: Optional[torch.Tensor] = None,
+    sm_scale: float = 0.0,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
+    max_query_len: int = -1,
+    backend: str = "",
+) -> None:
+    """Prefix-prefill attention over a paged KV cache, written into ``out`` ``[T, H, D]`` (see the module)."""
+    problem = build_problem(q, k, v, out, k_cache, v_cache, block_table, query_start, seq_lens, context_lens,
+                            layout, kv_cache_dtype, k_scale, v_scale, k_scale_tensor, v_scale_tensor, sm_scale,
+                            sliding_window, softcap, alibi_slopes, sinks, max_query_len)
+    _run(problem, backend)
+
+
+@prefill_attention_.register_fake
+def _prefill_attention_inplace_fake(
+    q, k, v, out, k_cache, v_cache, block_table, query_start, seq_lens, context_lens, layout="auto",
+    kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, k_scale_tensor=None, v_scale_tensor=None, sm_scale=0.0,
+    sliding_window=0, softcap=0.0, alibi_slopes=None, sinks=None, max_query_len=-1, backend="",
+):
+    _check(build_problem(q, k, v, out, k_cache, v_cache, block_table, query_start, seq_lens, context_lens,
+                         layout, kv_cache_dtype, k_scale, v_scale, k_scale_tensor, v_scale_tensor, sm_scale,
+                         sliding_window, softcap, alibi_slopes, sinks, max_query_len))
+    return None
