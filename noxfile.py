@@ -1,5 +1,6 @@
-"""Sessions: ``tests`` (CPU, Triton interpreter), ``demo``, ``lint``, ``docs``, and one per hardware target
-(``generic``, ``sm80``, ``bi100``) that runs the conformance suite on that hardware.
+"""Sessions: ``tests`` (CPU, Triton interpreter), ``demo``, ``lint``, ``docs``, one per hardware target
+(``generic``, ``sm80``, ``bi100``) that runs the conformance suite on that hardware, and ``production`` (GPU:
+CUDA graphs, multi-GPU, determinism, fuzzing against the reference; see docs/reliability.md).
 
 Every session also runs with ``--no-venv`` on a machine without a package index (torch, Triton, pytest and
 pluggy preinstalled): then the project's packages are installed into the current interpreter with
@@ -108,3 +109,22 @@ def sm80(session: nox.Session) -> None:
 def bi100(session: nox.Session) -> None:
     """Conformance of the bi100 backend on an Iluvatar CoreX GPU (or, forced, its policy on another GPU)."""
     _hardware_session(session, "bi100")
+
+
+@nox.session
+def production(session: nox.Session) -> None:
+    """GPU reliability tests (packages/core/tests/gpu) on the selected backend; skips when no GPU is present.
+
+    ``nox -s production -- --pagedprefill-fuzz=N`` sets the number of fuzz cases (default 2000).
+    """
+    install(session, CORE, *BACKENDS.values(), extras="triton,test")
+    probe = "import torch; print('gpus:', torch.cuda.device_count(), torch.__version__)"
+    output = session.run("python", "-c", probe, silent=True) or ""
+    line = next((x for x in output.splitlines() if x.startswith("gpus: ")), "gpus: 0 unknown")
+    _, count, version = line.split()
+    if count == "0":
+        session.skip(f"no GPU visible to torch {version}: the production tests need a CUDA GPU "
+                     "(two for the multi-GPU tests)")
+    session.log(f"{count} GPU(s) visible to torch {version}")
+    session.run("pagedprefill", "info")
+    session.run("pytest", *pytest_args(session), f"{CORE}/tests/gpu", "--pagedprefill-device=cuda")

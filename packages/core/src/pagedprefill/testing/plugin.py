@@ -16,6 +16,8 @@ def pytest_addoption(parser):
                     help="case sizes: small (interpreter-friendly) or large (default on GPUs)")
     group.addoption("--pagedprefill-sweep", type=int, default=None,
                     help="number of random cases in the conformance sweep (default 6 on CPU, 200 on GPU)")
+    group.addoption("--pagedprefill-fuzz", type=int, default=2000,
+                    help="number of random cases of the GPU fuzz against the reference (default 2000)")
 
 
 @pytest.fixture(scope="session")
@@ -40,6 +42,15 @@ def pagedprefill_size(request, pagedprefill_device) -> str:
 def pagedprefill_sweep(request, pagedprefill_device) -> int:
     n = request.config.getoption("--pagedprefill-sweep")
     return n if n is not None else (6 if pagedprefill_device.type == "cpu" else 200)
+
+
+@pytest.fixture(scope="session")
+def pagedprefill_fuzz(request) -> int:
+    """Number of cases of the GPU fuzz (``--pagedprefill-fuzz``)."""
+    n = request.config.getoption("--pagedprefill-fuzz")
+    if n < 0:
+        raise pytest.UsageError(f"--pagedprefill-fuzz: expected a number of cases >= 0, got {n}")
+    return n
 
 
 @pytest.fixture
