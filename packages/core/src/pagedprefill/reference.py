@@ -82,4 +82,5 @@ def _attend(query, keys, values, query_pos, key_pos, sm_scale, softcap, slopes, 
         denom = denom + torch.exp(sinks[:, None, None] - row_max)
     out = torch.einsum("hqk,khd->qhd", probs, values)
     denom = denom.permute(1, 0, 2)  # [n, H, 1]
-    return torch.where(denom > 0, out / denom.clamp_min(torch.finfo(denom.dtype).tiny), torch.zeros_like(out))
+    # Only a row with nothing visible (denominator exactly 0) is zeros; NaN/Inf from the inputs propagate.
+    return torch.where(denom == 0, torch.zeros_like(out), out / torch.where(denom == 0, torch.ones_like(denom), denom))

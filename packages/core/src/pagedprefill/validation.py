@@ -53,6 +53,13 @@ def _expect_device(name: str, t: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"{name}: expected a tensor on {device} (the device of q), got one on {t.device}")
 
 
+def _expect_unit_stride(name: str, t: torch.Tensor) -> None:
+    """1-D tensors that kernels index directly must be contiguous (a view with another stride is refused)."""
+    if t.dim() == 1 and t.shape[0] > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name}: expected a contiguous 1-D tensor (stride 1), got stride {t.stride(0)}; "
+                         f"pass {name}.contiguous()")
+
+
 def expected_x(head_size: int, element_size: int) -> int:
     """Elements per 16-byte chunk of the split K layout, reduced so that it divides ``head_size``."""
     return math.gcd(head_size, max(1, 16 // element_size))
@@ -182,6 +189,8 @@ def _validate_batch(p: PrefillProblem) -> None:
     _expect_ndim("b_start_loc", b.query_start, 1, "[num_seqs] or [num_seqs + 1]")
     if b.query_start.shape[0] not in (B, B + 1):
         raise ValueError(f"b_start_loc: expected shape [{B}] or [{B + 1}], got {_shape(b.query_start)}")
+    for name, t in names[:3]:
+        _expect_unit_stride(name, t)
     _expect_ndim("b_loc", b.block_table, 2, "[num_seqs, max_blocks_per_seq]")
     if b.block_table.shape[0] != B:
         raise ValueError(f"b_loc: expected {B} rows (one per sequence), got shape {_shape(b.block_table)}")
@@ -205,6 +214,7 @@ def _validate_options(p: PrefillProblem) -> None:
             raise ValueError(f"{name}: expected shape [{H}] (one per query head), got {_shape(t)}")
         _expect_dtype(name, t, FLOAT_DTYPES)
         _expect_device(name, t, p.q.device)
+        _expect_unit_stride(name, t)
     w = o.sliding_window
     if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 0):
         raise ValueError(f"sliding_window: expected None or an int >= 0 (0 = no window), got {w!r}")

@@ -172,7 +172,8 @@ def prefix_prefill_kernel(
 
     block_row_ptr = block_table + seq.to(tl.int64) * stride_table_seq
     c_start = (lo // BLOCK_N) * BLOCK_N
-    c_end = ctx_len
+    # A table without columns or a cache without blocks holds nothing to read, whatever ctx_len claims.
+    c_end = tl.where((table_width > 0) & (num_blocks > 0), ctx_len, 0)
     if SPLIT_MASKS:
         a, b = split_range(c_start, c_end, full_from, ctx_len, BLOCK_N)
     else:
