@@ -13,7 +13,7 @@ from pagedprefill.triton.launch import launch_prefill
 
 CONFIGS = {
     "rule 128x64 w8 s3": TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
-    "rule, per-key lookup": TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, pagewise=False),
+    "rule, page-wise": TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, pagewise=True),
     "128x32 w4 s2": TileConfig(block_m=128, block_n=32, num_warps=4, num_stages=2),
     "128x64 w8 s2 gqa4": TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, heads_per_tile=4),
     "128x128 w8 s2": TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=2),

@@ -96,7 +96,8 @@ class TileConfig:
         split_masks: run unmasked key tiles without mask arithmetic and masked tiles (diagonal, window
             edges, tails) separately. False applies every mask to every tile (smaller code).
         pagewise: address cached keys page by page (one block-table read per page) when the block size is
-            a power of two that divides or is a multiple of ``block_n``; otherwise, or when False, per key.
+            a power of two that divides or is a multiple of ``block_n``; otherwise, or when False (the
+            default until its speed is measured), look the block table up per key.
     """
 
     block_m: int = 64
@@ -105,7 +106,7 @@ class TileConfig:
     num_stages: int = 1
     heads_per_tile: int = 1
     split_masks: bool = True
-    pagewise: bool = True
+    pagewise: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "num_warps"):
