@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from pagedprefill import DeviceInfo
 from pagedprefill.backends.triton_base import problem_shape
 from pagedprefill.testing import DEFAULT_TOLERANCES, assert_matches_reference, case_spec, make_problem
