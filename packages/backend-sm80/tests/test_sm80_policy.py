@@ -6,7 +6,7 @@ import pytest
 import torch
 from pagedprefill import DeviceInfo, select_backend
 from pagedprefill.tiling import ProblemShape, TileConfig
-from pagedprefill.tuning import table_key, user_table_path
+from pagedprefill.tuning import forget_tables, table_key, user_table_path
 from pagedprefill_sm80 import Sm80Backend, sm80_policy
 
 
@@ -65,6 +65,7 @@ def test_user_tuned_table_takes_precedence(tmp_path, monkeypatch):
     path = user_table_path("sm80", H200)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"entries": {table_key(shape, H200): tuned.to_dict()}}))
+    forget_tables()  # written behind the policy's back, as another process would
     assert sm80_policy(shape, H200) == tuned
     other = ProblemShape(64, 32, 8, torch.bfloat16, num_tokens=4096, num_seqs=4)
     assert sm80_policy(other, H200) != tuned  # other keys still come from the rules

@@ -37,18 +37,27 @@ def user_table_path(backend: str, device: DeviceInfo) -> Path:
 
 
 @cache
-def _load(path: str, mtime: float) -> dict[str, TileConfig]:
-    with open(path) as fh:
-        data = json.load(fh)
+def _load(path: str) -> dict[str, TileConfig]:
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        return {}
     return {key: TileConfig(**fields) for key, fields in data.get("entries", {}).items()}
 
 
 def load_table(path: Path) -> dict[str, TileConfig]:
-    """Entries of the table at ``path`` ({} if it does not exist)."""
-    try:
-        return _load(str(path), path.stat().st_mtime)
-    except FileNotFoundError:
-        return {}
+    """Entries of the table at ``path`` ({} if it does not exist).
+
+    Read once per process and path (policies call this on every launch, so no file access on the hot path);
+    :func:`save_table` and :func:`forget_tables` make the next call read the file again.
+    """
+    return _load(str(path))
+
+
+def forget_tables() -> None:
+    """Drop the tables read so far (after a table file was written by another process)."""
+    _load.cache_clear()
 
 
 def lookup(key: str, *tables: dict[str, TileConfig]) -> Optional[TileConfig]:
@@ -68,3 +77,4 @@ def save_table(path: Path, device: DeviceInfo, entries: dict[str, TileConfig], e
     data = {"device": device.name, "capability": list(device.capability), **(extra or {}),
             "entries": {k: v.to_dict() for k, v in sorted(entries.items())}}
     path.write_text(json.dumps(data, indent=1) + "\n")
+    forget_tables()
