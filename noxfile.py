@@ -64,6 +64,10 @@ def demo(session: nox.Session) -> None:
     install(session, CORE, *BACKENDS.values(), extras="triton")
     session.run("pagedprefill", "info")
     session.run("pagedprefill", "demo", *session.posargs)
+    gpu = session.run("python", "-c", "import torch; print(torch.cuda.is_available())", silent=True) or ""
+    if gpu.strip() == "False":
+        session.log("no GPU: the same batch through the generic backend's Triton kernels in Triton's CPU interpreter")
+        session.run("pagedprefill", "demo", "--backend", "generic", "--repeats", "1", env={"TRITON_INTERPRET": "1"})
 
 
 @nox.session
