@@ -23,6 +23,7 @@ from typing import Optional
 import pagedprefill as pp
 import pytest
 import torch
+from pagedprefill import ops
 from pagedprefill.testing import BatchSpec, make_problem
 
 OPS = torch.ops.pagedprefill
@@ -49,19 +50,7 @@ CASES = {
 
 # -- helpers ---------------------------------------------------------------------------------------------------
 def op_arguments(p: pp.PrefillProblem, backend: str = "reference") -> tuple[tuple, dict]:
-    """The operators' positional tensors and keyword scalars for ``p`` (the scale convention applied)."""
-    c, b, o = p.cache, p.batch, p.options
-    tensors = (p.q, p.k, p.v, c.key, c.value, b.block_table, b.query_start, b.seq_lens, b.context_lens)
-    kwargs = dict(layout=c.layout.value, kv_cache_dtype=c.dtype.value, sm_scale=o.sm_scale or 0.0,
-                  sliding_window=o.window, softcap=float(o.softcap), alibi_slopes=o.alibi_slopes, sinks=o.sinks,
-                  max_query_len=-1 if b.max_query_len is None else b.max_query_len, backend=backend)
-    for name in ("k_scale", "v_scale"):
-        scale = getattr(c, name)
-        if isinstance(scale, torch.Tensor):
-            kwargs[name + "_tensor"] = scale
-        else:
-            kwargs[name] = float(scale)
-    return tensors, kwargs
+    return ops.op_arguments(p, backend)
 
 
 def inplace_arguments(p: pp.PrefillProblem, out: torch.Tensor, backend: str = "reference") -> tuple[tuple, dict]:

@@ -64,7 +64,7 @@ from .api import dispatch
 from .types import AttentionOptions, BatchMetadata, KVCacheDType, KVLayout, PagedKVCache, PrefillProblem
 from .validation import validate_problem
 
-__all__ = ["LIBRARY_NAMESPACE", "build_problem", "prefill_attention", "prefill_attention_"]
+__all__ = ["LIBRARY_NAMESPACE", "build_problem", "op_arguments", "prefill_attention", "prefill_attention_"]
 
 LIBRARY_NAMESPACE = "pagedprefill"
 
@@ -119,6 +119,27 @@ def build_problem(
     )
     return PrefillProblem(q=q, k=k, v=v, out=out, cache=cache, batch=batch, options=options)
 
+
+
+def op_arguments(problem: PrefillProblem, backend: str = "") -> tuple[tuple, dict]:
+    """The inverse of :func:`build_problem`: the functional op's positional tensors and keyword scalars.
+
+    ``torch.ops.pagedprefill.prefill_attention(*tensors, **kwargs)`` computes ``problem``; for the in-place
+    op insert the output after ``v``: ``tensors[:3] + (out,) + tensors[3:]``.
+    """
+    c, b, o = problem.cache, problem.batch, problem.options
+    tensors = (problem.q, problem.k, problem.v, c.key, c.value, b.block_table, b.query_start, b.seq_lens,
+               b.context_lens)
+    kwargs = dict(layout=c.layout.value, kv_cache_dtype=c.dtype.value, sm_scale=o.sm_scale or 0.0,
+                  sliding_window=o.window, softcap=float(o.softcap), alibi_slopes=o.alibi_slopes, sinks=o.sinks,
+                  max_query_len=-1 if b.max_query_len is None else b.max_query_len, backend=backend)
+    for name in ("k_scale", "v_scale"):
+        scale = getattr(c, name)
+        if isinstance(scale, torch.Tensor):
+            kwargs[name + "_tensor"] = scale
+        else:
+            kwargs[name] = float(scale)
+    return tensors, kwargs
 
 def _run(problem: PrefillProblem, backend: str) -> None:
     dispatch(problem, backend=backend or None, validate="basic")
