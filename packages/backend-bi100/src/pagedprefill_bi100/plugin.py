@@ -8,3 +8,10 @@ def pagedprefill_backends():
     from .backend import Bi100Backend
 
     return [Bi100Backend()]
+
+
+@pagedprefill.hookimpl
+def pagedprefill_described_devices():
+    from . import described_devices
+
+    return described_devices()

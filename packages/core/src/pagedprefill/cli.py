@@ -28,6 +28,7 @@ def _device_info(args) -> DeviceInfo:
     described = getattr(args, "describe", None)
     if described:
         devices = described_devices()
+        described = described.lower()
         if described not in devices:
             raise SystemExit(f"--describe: expected one of {sorted(devices)}, got {described!r}")
         return devices[described]
@@ -35,21 +36,17 @@ def _device_info(args) -> DeviceInfo:
 
 
 def described_devices() -> dict[str, DeviceInfo]:
-    """Hand-written descriptions of devices that may not be present, for ``info --describe``."""
+    """Hand-written descriptions of devices that may not be present, for ``info --describe``: a few NVIDIA
+    parts known to core, plus whatever installed backends contribute (the bi100 backend adds Iluvatar parts)."""
     def nvidia(name, cap, sms, smem):
         return DeviceInfo(type="cuda", index=0, vendor="nvidia", name=name, capability=cap, warp_size=32,
                           num_sms=sms, max_shared_mem=smem, triton_backend="cuda")
-
-    def iluvatar(name, cap, smem):
-        return DeviceInfo(type="cuda", index=0, vendor="iluvatar", name=name, capability=cap, warp_size=64,
-                          num_sms=16, max_shared_mem=smem, triton_backend="cuda")
 
     return {
         "a100": nvidia("NVIDIA A100-SXM4-80GB", (8, 0), 108, 163 * 1024),
         "h200": nvidia("NVIDIA H200", (9, 0), 132, 227 * 1024),
         "v100": nvidia("Tesla V100-SXM2-32GB", (7, 0), 80, 96 * 1024),
-        "bi-v100": iluvatar("Iluvatar BI-V100", (7, 0), 48 * 1024),
-        "bi-v150": iluvatar("Iluvatar BI-V150", (7, 1), 128 * 1024),
+        **get_registry().described_devices(),
     }
 
 

@@ -34,3 +34,12 @@ def pagedprefill_backends():
     Called once, when the registry first loads plugins. It must not import Triton, compile kernels or
     query a device: registering is cheap, and selection asks each backend ``supports(device)`` later.
     """
+
+
+@hookspec
+def pagedprefill_described_devices():
+    """Optional: return ``{name: DeviceInfo}`` of devices this plugin knows, for ``pagedprefill info --describe``.
+
+    Lets a backend show how selection would go on hardware that is not present (names are matched
+    case-insensitively). Must be cheap, like :func:`pagedprefill_backends`.
+    """

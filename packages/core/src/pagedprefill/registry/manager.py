@@ -114,6 +114,19 @@ class Registry:
                 found[backend.name] = backend
         return found
 
+    def described_devices(self) -> dict[str, DeviceInfo]:
+        """``{lower-case name: DeviceInfo}`` contributed by plugins (a failing hook is recorded and skipped)."""
+        found: dict[str, DeviceInfo] = {}
+        for impl in self._pm.hook.pagedprefill_described_devices.get_hookimpls():
+            try:
+                result = dict(impl.function() or {})
+            except Exception as exc:
+                self._load_errors[impl.plugin_name] = f"{type(exc).__name__}: {exc}"
+                continue
+            for name, info in result.items():
+                found.setdefault(name.lower(), info)
+        return found
+
     def get(self, name: str) -> Backend:
         """The backend called ``name``; raises with the known names (and load errors) if there is none."""
         for backend in self.backends():
