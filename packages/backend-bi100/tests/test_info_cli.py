@@ -1,7 +1,6 @@
 """``pagedprefill info --describe`` on Iluvatar parts this backend contributes: bi100 is chosen, and why."""
 
 import pytest
-
 from pagedprefill.cli import main
 
 
