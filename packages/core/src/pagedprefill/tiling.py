@@ -68,7 +68,7 @@ class ProblemShape:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def query_len_bound(self) -> int:

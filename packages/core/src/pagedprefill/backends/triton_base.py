@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+
 from ..device import DeviceInfo, interpreter_enabled, triton_installed
 from ..registry import Backend, UnsupportedFeatureError
-from ..tiling import ProblemShape
+from ..tiling import ProblemShape, TileConfig
 from ..types import PrefillProblem
 
 
@@ -51,12 +53,20 @@ class TritonBackend(Backend):
             return [f"Triton has no active driver for {device.type} device {device.name!r}"]
         return self.hardware_reasons(device)
 
+    @functools.cached_property
+    def _policy_memo(self):
+        return functools.lru_cache(maxsize=1024)(self.policy)
+
+    def tile_config(self, shape: ProblemShape, device: DeviceInfo) -> TileConfig:
+        """The policy's tile, remembered per (shape, device): no policy work on repeated launches."""
+        return self._policy_memo(shape, device)
+
     def check_problem(self, problem: PrefillProblem, device: DeviceInfo) -> None:
         """Refuse a problem whose smallest tile cannot fit the device's shared memory."""
         if device.type == "cpu" or not device.max_shared_mem:
             return
         shape = problem_shape(problem)
-        config = self.policy(shape, device)
+        config = self.tile_config(shape, device)
         need = config.shared_mem_bytes(shape.head_size, shape.element_size)
         if need > device.max_shared_mem:
             raise UnsupportedFeatureError(
@@ -67,4 +77,4 @@ class TritonBackend(Backend):
     def run(self, problem: PrefillProblem, device: DeviceInfo) -> None:
         from ..triton.launch import launch_prefill
 
-        launch_prefill(problem, self.policy(problem_shape(problem), device))
+        launch_prefill(problem, self.tile_config(problem_shape(problem), device))
