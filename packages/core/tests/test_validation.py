@@ -436,7 +436,8 @@ def test_bad_input_is_rejected(case: Bad, api: str):
         CALLS[api](a)
     assert type(info.value) is case.exc
     message = str(info.value)
-    assert message.startswith(f"{case.arg}:"), message
+    arg = "o" if case.arg == "out" and api == "drop_in" else case.arg  # each API names its own argument
+    assert message.startswith(f"{arg}:"), message
     for part in case.parts:
         assert part in message, f"{part!r} not in {message!r}"
     _assert_untouched(a, before)

@@ -67,9 +67,13 @@ def available_backends() -> list[Backend]:
     return get_registry().backends()
 
 
-def dispatch(problem: PrefillProblem, backend: BackendChoice = None, validate: ValidateMode = "basic") -> torch.Tensor:
-    """Validate ``problem``, run it on the chosen backend, and return ``problem.out``."""
-    validate_problem(problem, validate)
+def dispatch(problem: PrefillProblem, backend: BackendChoice = None, validate: ValidateMode = "basic",
+             out_name: str = "out") -> torch.Tensor:
+    """Validate ``problem``, run it on the chosen backend, and return ``problem.out``.
+
+    ``out_name`` is how errors name the output argument (``o`` for the drop-in signature).
+    """
+    validate_problem(problem, validate, out_name)
     info = DeviceInfo.detect(problem.device)
     chosen = get_registry().select(info, backend)
     chosen.check_problem(problem, info)
@@ -162,4 +166,4 @@ def context_attention_fwd(
         options=AttentionOptions(sm_scale=sm_scale, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
                                  softcap=softcap, sinks=sinks),
     )
-    return dispatch(problem, backend=backend, validate=validate)
+    return dispatch(problem, backend=backend, validate=validate, out_name="o")

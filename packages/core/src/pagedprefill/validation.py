@@ -65,11 +65,14 @@ def expected_x(head_size: int, element_size: int) -> int:
     return math.gcd(head_size, max(1, 16 // element_size))
 
 
-def validate_problem(p: PrefillProblem, mode: ValidateMode = "basic") -> None:
-    """Check a problem before any kernel sees it; raise ``TypeError``/``ValueError`` naming the argument."""
+def validate_problem(p: PrefillProblem, mode: ValidateMode = "basic", out_name: str = "out") -> None:
+    """Check a problem before any kernel sees it; raise ``TypeError``/``ValueError`` naming the argument.
+
+    ``out_name`` is what the caller calls the output argument (``o`` in the drop-in signature).
+    """
     if mode not in ("basic", "full"):
         raise ValueError(f"validate: expected 'basic' or 'full', got {mode!r}")
-    _validate_tensors(p)
+    _validate_tensors(p, out_name)
     _validate_cache(p)
     _validate_batch(p)
     _validate_options(p)
@@ -77,16 +80,16 @@ def validate_problem(p: PrefillProblem, mode: ValidateMode = "basic") -> None:
         validate_values(p)
 
 
-def _validate_tensors(p: PrefillProblem) -> None:
-    for name in ("q", "k", "v", "out"):
-        _expect_tensor(name, getattr(p, name))
+def _validate_tensors(p: PrefillProblem, out_name: str) -> None:
+    for name, attr in (("q", "q"), ("k", "k"), ("v", "v"), (out_name, "out")):
+        _expect_tensor(name, getattr(p, attr))
     q, k, v, out = p.q, p.k, p.v, p.out
     _expect_ndim("q", q, 3, "[tokens, num_heads, head_size]")
     _expect_ndim("k", k, 3, "[tokens, num_kv_heads, head_size]")
     _expect_ndim("v", v, 3, "[tokens, num_kv_heads, head_size]")
-    _expect_ndim("out", out, 3, "[tokens, num_heads, head_size]")
+    _expect_ndim(out_name, out, 3, "[tokens, num_heads, head_size]")
     _expect_dtype("q", q, FLOAT_DTYPES)
-    for name, t in (("k", k), ("v", v), ("out", out)):
+    for name, t in (("k", k), ("v", v), (out_name, out)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name}: expected dtype {q.dtype} (the dtype of q), got {t.dtype}")
         _expect_device(name, t, q.device)
@@ -94,7 +97,7 @@ def _validate_tensors(p: PrefillProblem) -> None:
     if not 1 <= D <= MAX_HEAD_SIZE:
         raise ValueError(f"q: expected head_size (dim 2) in 1..{MAX_HEAD_SIZE}, got {D}")
     if tuple(out.shape) != tuple(q.shape):
-        raise ValueError(f"out: expected shape {_shape(q)} (the shape of q), got {_shape(out)}")
+        raise ValueError(f"{out_name}: expected shape {_shape(q)} (the shape of q), got {_shape(out)}")
     for name, t in (("k", k), ("v", v)):
         if t.shape[0] != T or t.shape[2] != D:
             raise ValueError(
@@ -107,7 +110,7 @@ def _validate_tensors(p: PrefillProblem) -> None:
         raise ValueError(
             f"k: expected num_kv_heads dividing num_heads={H} (GQA/MQA), got num_kv_heads={Hkv}"
         )
-    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+    for name, t in (("q", q), ("k", k), ("v", v), (out_name, out)):
         if t.numel() and t.stride(2) != 1:
             raise ValueError(
                 f"{name}: expected the head_size dimension to be contiguous (stride 1), got strides {t.stride()}"
