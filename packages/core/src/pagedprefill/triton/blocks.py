@@ -44,60 +44,68 @@ def locate_tile(tile, query_start_ptr, num_seqs, TOKENS_PER_TILE: tl.constexpr):
 
 
 @triton.jit
-def cache_kv_offsets(block_row_ptr, stride_table_col, table_width, num_blocks, pos, block_size, kv_head, offs_d,
+def aligned(stride, ALIGN: tl.constexpr):
+    """``stride``, known by the launcher to be a multiple of ``ALIGN`` elements, said so to the compiler.
+
+    Triton only knows a run-time stride's alignment when it is a multiple of 16; the split layout's slot
+    stride is ``x`` (8 for 16-bit data), so without this its key loads fall back to scalar loads that the
+    pipeliner cannot turn into asynchronous copies.
+    """
+    if ALIGN > 1:
+        stride = (stride // ALIGN) * ALIGN
+    return stride
+
+
+@triton.jit
+def tile_pages(block_row_ptr, stride_table_col, table_width, num_blocks, n0, block_size,
+               BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Physical cache block of each key ``n0 + [0, BLOCK_N)``, as an int64 ``[BLOCK_N]`` vector.
+
+    ``PAGE_SIZE > 0`` (the block size, specialised when it and ``BLOCK_N`` divide one another) reads one
+    table entry per page and broadcasts it to the page's keys; 0 reads one entry per key and serves any
+    block size. Out-of-range table columns and block numbers are clamped: the keys they address are masked
+    by the caller or belong to invalid metadata, and are never read out of bounds. Pages are read one tile
+    ahead, also past the last tile, so a table without columns is not read at all.
+    """
+    has_cols = table_width > 0
+    if PAGE_SIZE >= BLOCK_N:
+        col = tl.maximum(tl.minimum(n0 // PAGE_SIZE, table_width - 1), 0)
+        page = tl.load(block_row_ptr + col * stride_table_col, mask=has_cols, other=0).to(tl.int64)
+        page = tl.where((page >= 0) & (page < num_blocks), page, 0)
+        pages = tl.full([BLOCK_N], 0, tl.int64) + page
+    elif PAGE_SIZE > 0:
+        PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
+        cols = tl.maximum(tl.minimum(n0 // PAGE_SIZE + tl.arange(0, PAGES), table_width - 1), 0)
+        per_page = tl.load(block_row_ptr + cols * stride_table_col, mask=has_cols, other=0).to(tl.int64)
+        per_page = tl.where((per_page >= 0) & (per_page < num_blocks), per_page, 0)
+        pages = tl.reshape(tl.broadcast_to(per_page[:, None], [PAGES, PAGE_SIZE]), [BLOCK_N])
+        # The reshape hides that each page's keys share one block; the split layout's value loads need to
+        # know it to stay vectorised along the slots.
+        pages = tl.max_constancy(pages, PAGE_SIZE)
+    else:
+        pos = n0 + tl.arange(0, BLOCK_N)
+        cols = tl.maximum(tl.minimum(pos // block_size, table_width - 1), 0)
+        pages = tl.load(block_row_ptr + cols * stride_table_col, mask=has_cols, other=0).to(tl.int64)
+        pages = tl.where((pages >= 0) & (pages < num_blocks), pages, 0)
+    return pages
+
+
+@triton.jit
+def cache_kv_offsets(pages, pos, block_size, kv_head, offs_d,
                      stride_kb, stride_kh, stride_kd, stride_kt, stride_kx,
                      stride_vb, stride_vh, stride_vd, stride_vt, X: tl.constexpr):
     """64-bit element offsets of cached keys (``[D, N]``, transposed for the dot) and values (``[N, D]``).
 
-    One formula serves both layouts: split K is ``page, head, d // X, slot, d % X``; NHD is the same with
-    ``stride_kd = 0`` and ``X`` larger than the head size. Out-of-range table columns and block numbers
-    are clamped (the keys they address are masked by the caller or belong to invalid metadata).
+    ``pages`` holds each key's physical block (:func:`tile_pages`). One formula serves both layouts: split
+    K is ``page, head, d // X, slot, d % X``; NHD is the same with ``stride_kd = 0`` and ``X`` larger than
+    the head size.
     """
-    col = tl.maximum(tl.minimum(pos // block_size, table_width - 1), 0)
-    page = tl.load(block_row_ptr + col * stride_table_col).to(tl.int64)
-    page = tl.where((page >= 0) & (page < num_blocks), page, 0)
     slot = (pos % block_size).to(tl.int64)
     head = kv_head.to(tl.int64)
     d = offs_d.to(tl.int64)
-    k_off = (page[None, :] * stride_kb + head * stride_kh + (d[:, None] // X) * stride_kd
+    k_off = (pages[None, :] * stride_kb + head * stride_kh + (d[:, None] // X) * stride_kd
              + slot[None, :] * stride_kt + (d[:, None] % X) * stride_kx)
-    v_off = page[:, None] * stride_vb + head * stride_vh + d[None, :] * stride_vd + slot[:, None] * stride_vt
-    return k_off, v_off
-
-
-@triton.jit
-def paged_kv_offsets(block_row_ptr, stride_table_col, table_width, num_blocks, n0, kv_head, offs_d,
-                     stride_kb, stride_kh, stride_kd, stride_kt, stride_kx,
-                     stride_vb, stride_vh, stride_vd, stride_vt,
-                     X: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr):
-    """Page-wise offsets of a key tile starting at ``n0`` (a multiple of ``BLOCK_N``), both ``[N, D]``.
-
-    Reads one block-table entry per page instead of one per key: a tile inside one page
-    (``PAGE_SIZE % BLOCK_N == 0``) uses a single entry and contiguous slots; a tile spanning whole pages
-    (``BLOCK_N % PAGE_SIZE == 0``) reads ``BLOCK_N // PAGE_SIZE`` entries and lays the pages side by side.
-    """
-    head = kv_head.to(tl.int64)
-    d = offs_d.to(tl.int64)
-    if PAGE_SIZE % BLOCK_N == 0:
-        col = tl.minimum(n0 // PAGE_SIZE, table_width - 1)
-        page = tl.load(block_row_ptr + col * stride_table_col).to(tl.int64)
-        page = tl.where((page >= 0) & (page < num_blocks), page, 0)
-        slot = (n0 % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)
-        k_off = (page * stride_kb + head * stride_kh + (d[None, :] // X) * stride_kd + slot[:, None] * stride_kt
-                 + (d[None, :] % X) * stride_kx)
-        v_off = page * stride_vb + head * stride_vh + d[None, :] * stride_vd + slot[:, None] * stride_vt
-    else:
-        PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
-        cols = tl.minimum(n0 // PAGE_SIZE + tl.arange(0, PAGES), table_width - 1)
-        pages = tl.load(block_row_ptr + cols * stride_table_col).to(tl.int64)
-        pages = tl.where((pages >= 0) & (pages < num_blocks), pages, 0)
-        slot = tl.arange(0, PAGE_SIZE).to(tl.int64)
-        k3 = (pages[:, None, None] * stride_kb + head * stride_kh + (d[None, None, :] // X) * stride_kd
-              + slot[None, :, None] * stride_kt + (d[None, None, :] % X) * stride_kx)
-        v3 = (pages[:, None, None] * stride_vb + head * stride_vh + d[None, None, :] * stride_vd
-              + slot[None, :, None] * stride_vt)
-        k_off = tl.reshape(k3, [BLOCK_N, HEAD_SIZE_PADDED])
-        v_off = tl.reshape(v3, [BLOCK_N, HEAD_SIZE_PADDED])
+    v_off = pages[:, None] * stride_vb + head * stride_vh + d[None, :] * stride_vd + slot[:, None] * stride_vt
     return k_off, v_off
 
 
@@ -110,6 +118,30 @@ def new_kv_offsets(rows, kv_head, offs_d, stride_kt, stride_kh, stride_vt, strid
     k_off = r[None, :] * stride_kt + head * stride_kh + d[:, None]
     v_off = r[:, None] * stride_vt + head * stride_vh + d[None, :]
     return k_off, v_off
+
+
+@triton.jit
+def load_keys(ptrs, k_valid, d_mask, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """A ``[D, N]`` key tile; masked on keys only in edge tiles and on the head dim only when it is padded."""
+    if MASKED:
+        if EVEN_D:
+            return tl.load(ptrs, mask=k_valid[None, :], other=0.0)
+        return tl.load(ptrs, mask=d_mask[:, None] & k_valid[None, :], other=0.0)
+    if EVEN_D:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=d_mask[:, None], other=0.0)
+
+
+@triton.jit
+def load_values(ptrs, k_valid, d_mask, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """An ``[N, D]`` value tile, masked like :func:`load_keys`."""
+    if MASKED:
+        if EVEN_D:
+            return tl.load(ptrs, mask=k_valid[:, None], other=0.0)
+        return tl.load(ptrs, mask=k_valid[:, None] & d_mask[None, :], other=0.0)
+    if EVEN_D:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=d_mask[None, :], other=0.0)
 
 
 @triton.jit

@@ -16,86 +16,80 @@ import triton.language as tl
 
 from .blocks import (
     LOG2E,
+    aligned,
     cache_kv_offsets,
     finish_rows,
+    load_keys,
+    load_values,
     locate_tile,
     logits,
     new_kv_offsets,
     online_softmax_step,
-    paged_kv_offsets,
     scalar_or_load,
     split_range,
+    tile_pages,
     visible,
 )
 
 
 @triton.jit
-def _cache_phase(acc, m_i, l_i, q, q_pos, alibi2, start, end, ctx_len, window, softcap, qk_scale,
-                 K_cache, V_cache, block_row_ptr, stride_table_col, table_width, num_blocks, block_size, kv_head, offs_d, d_mask,
-                 stride_kb, stride_kh, stride_kd, stride_kt, stride_kx,
+def _cache_phase(acc, m_i, l_i, q, q_pos, alibi2, start, end, kv_len, window, softcap, qk_scale,
+                 K_cache, V_cache, block_row_ptr, stride_table_col, table_width, num_blocks, block_size, kv_head,
+                 offs_d, d_mask, stride_kb, stride_kh, stride_kd, stride_kt, stride_kx,
                  stride_vb, stride_vh, stride_vd, stride_vt,
-                 X: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
-                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 PAGE_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr):
+                 X: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                 WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr, EVEN_D: tl.constexpr):
     """Attend to cached positions ``[start, end)`` of the paged cache, ``BLOCK_N`` at a time.
 
-    ``PAGE_SIZE > 0`` (the block size, when it and ``BLOCK_N`` divide one another) addresses keys page by
-    page; 0 looks up the block table per key, which serves any block size.
+    ``kv_len`` is how many positions the cache holds for the sequence; ``CAUSAL`` masks keys after each
+    row's own position (needed only when the new tokens' keys are read from the cache too).
     """
     offs_n = tl.arange(0, BLOCK_N)
+    if PAGE_SIZE > 0:
+        page_size = PAGE_SIZE
+    else:
+        page_size = block_size
+    # Block numbers are read one tile ahead: no K/V address then depends on a load of its own iteration,
+    # and the software pipeliner streams cached tiles with asynchronous copies as it does dense ones.
+    pages = tile_pages(block_row_ptr, stride_table_col, table_width, num_blocks, start, page_size,
+                       BLOCK_N, PAGE_SIZE)
     for n0 in range(start, end, BLOCK_N):
+        next_pages = tile_pages(block_row_ptr, stride_table_col, table_width, num_blocks, n0 + BLOCK_N, page_size,
+                                BLOCK_N, PAGE_SIZE)
         pos = n0 + offs_n
-        k_valid = pos < ctx_len
-        if PAGE_SIZE > 0:
-            k_off, v_off = paged_kv_offsets(block_row_ptr, stride_table_col, table_width, num_blocks, n0, kv_head, offs_d,
-                                            stride_kb, stride_kh, stride_kd, stride_kt, stride_kx,
-                                            stride_vb, stride_vh, stride_vd, stride_vt,
-                                            X, BLOCK_N, PAGE_SIZE, HEAD_SIZE_PADDED)
-            if MASKED:
-                k = tl.trans(tl.load(K_cache + k_off, mask=k_valid[:, None] & d_mask[None, :], other=0.0))
-            else:
-                k = tl.trans(tl.load(K_cache + k_off, mask=d_mask[None, :], other=0.0))
-        else:
-            k_off, v_off = cache_kv_offsets(block_row_ptr, stride_table_col, table_width, num_blocks, pos, block_size,
-                                            kv_head, offs_d, stride_kb, stride_kh, stride_kd, stride_kt, stride_kx,
-                                            stride_vb, stride_vh, stride_vd, stride_vt, X)
-            if MASKED:
-                k = tl.load(K_cache + k_off, mask=d_mask[:, None] & k_valid[None, :], other=0.0)
-            else:
-                k = tl.load(K_cache + k_off, mask=d_mask[:, None], other=0.0)
-        if MASKED:
-            v = tl.load(V_cache + v_off, mask=k_valid[:, None] & d_mask[None, :], other=0.0)
-        else:
-            v = tl.load(V_cache + v_off, mask=d_mask[None, :], other=0.0)
+        k_valid = pos < kv_len
+        k_off, v_off = cache_kv_offsets(pages, pos, page_size, kv_head, offs_d,
+                                        stride_kb, stride_kh, stride_kd, stride_kt, stride_kx,
+                                        stride_vb, stride_vh, stride_vd, stride_vt, X)
+        k = load_keys(K_cache + k_off, k_valid, d_mask, MASKED, EVEN_D)
+        v = load_values(V_cache + v_off, k_valid, d_mask, MASKED, EVEN_D)
         s = logits(q, k.to(q.dtype), qk_scale, softcap, alibi2, q_pos, pos, SOFTCAP, ALIBI, DOT_PRECISION)
         if MASKED:
-            s = tl.where(visible(q_pos, pos, k_valid, window, False, WINDOW), s, float("-inf"))
+            s = tl.where(visible(q_pos, pos, k_valid, window, CAUSAL, WINDOW), s, float("-inf"))
         acc, m_i, l_i = online_softmax_step(s, v.to(q.dtype), acc, m_i, l_i, DOT_PRECISION)
+        pages = next_pages
     return acc, m_i, l_i
 
 
 @triton.jit
 def _new_phase(acc, m_i, l_i, q, q_pos, alibi2, start, end, ctx_len, q_len, seq_row0, num_tokens, window,
                softcap, qk_scale, K, V, kv_head, offs_d, d_mask, stride_kt, stride_kh, stride_vt, stride_vh,
-               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-               ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Attend to new tokens ``[start, end)`` (indices within the sequence's new tokens), causally."""
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr):
+    """Attend to new tokens ``[start, end)`` (indices within the sequence's new tokens)."""
     offs_n = tl.arange(0, BLOCK_N)
     for j0 in range(start, end, BLOCK_N):
         j = j0 + offs_n
         rows = seq_row0 + j
         k_off, v_off = new_kv_offsets(rows, kv_head, offs_d, stride_kt, stride_kh, stride_vt, stride_vh)
         pos = ctx_len + j
-        if MASKED:
-            k_valid = (j < q_len) & (rows >= 0) & (rows < num_tokens)
-            k = tl.load(K + k_off, mask=d_mask[:, None] & k_valid[None, :], other=0.0)
-            v = tl.load(V + v_off, mask=k_valid[:, None] & d_mask[None, :], other=0.0)
-        else:
-            k = tl.load(K + k_off, mask=d_mask[:, None], other=0.0)
-            v = tl.load(V + v_off, mask=d_mask[None, :], other=0.0)
+        k_valid = (j < q_len) & (rows >= 0) & (rows < num_tokens)
+        k = load_keys(K + k_off, k_valid, d_mask, MASKED, EVEN_D)
+        v = load_values(V + v_off, k_valid, d_mask, MASKED, EVEN_D)
         s = logits(q, k, qk_scale, softcap, alibi2, q_pos, pos, SOFTCAP, ALIBI, DOT_PRECISION)
         if MASKED:
-            s = tl.where(visible(q_pos, pos, k_valid, window, True, WINDOW), s, float("-inf"))
+            s = tl.where(visible(q_pos, pos, k_valid, window, CAUSAL, WINDOW), s, float("-inf"))
         acc, m_i, l_i = online_softmax_step(s, v, acc, m_i, l_i, DOT_PRECISION)
     return acc, m_i, l_i
 
@@ -103,7 +97,7 @@ def _new_phase(acc, m_i, l_i, q, q_pos, alibi2, start, end, ctx_len, q_len, seq_
 @triton.jit
 def prefix_prefill_kernel(
     Q, K, V, Out, K_cache, V_cache, block_table, query_start, seq_lens, ctx_lens, alibi_slopes, sinks,
-    k_scale_ptr, v_scale_ptr,
+    k_scale_ptr, v_scale_ptr, out_scale_ptr,
     sm_scale, k_scale, v_scale, softcap, window,
     num_seqs, num_tokens, num_blocks, table_width, block_size, group_size,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -114,14 +108,20 @@ def prefix_prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_PER_TILE: tl.constexpr, HEAD_CHUNKS: tl.constexpr,
     SPLIT_MASKS: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     SINKS: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    SPLIT_CACHE: tl.constexpr, K_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr,
+    CAUSAL: tl.constexpr, SKIP_DECODE: tl.constexpr, NEW_KV_IN_CACHE: tl.constexpr, OUT_SCALE: tl.constexpr,
+    OUT_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // HEADS_PER_TILE
+    EVEN_D: tl.constexpr = HEAD_SIZE == HEAD_SIZE_PADDED
     seq, tok0 = locate_tile(tl.program_id(0), query_start, num_seqs, TOKENS_PER_TILE)
     seq_row0 = tl.load(query_start + seq)
     ctx_len = tl.load(ctx_lens + seq)
     q_len = tl.load(seq_lens + seq) - ctx_len
-    if tok0 >= q_len:
+    done = tok0 >= q_len
+    if SKIP_DECODE:
+        done = done | (q_len == 1)  # single-token rows belong to a decode kernel: left untouched
+    if done:
         return
     kv_head = tl.program_id(1) // HEAD_CHUNKS
     chunk = tl.program_id(1) % HEAD_CHUNKS
@@ -154,6 +154,19 @@ def prefix_prefill_kernel(
     if ALIBI:
         alibi2 = tl.load(alibi_slopes + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
 
+    # The launcher guarantees these strides are multiples of K_ALIGN / V_ALIGN elements (the unit strides,
+    # K's innermost and V's slot (split) or head dim (NHD), are left alone).
+    stride_ckb = aligned(stride_ckb, K_ALIGN)
+    stride_ckh = aligned(stride_ckh, K_ALIGN)
+    stride_ckd = aligned(stride_ckd, K_ALIGN)
+    stride_ckt = aligned(stride_ckt, K_ALIGN)
+    stride_cvb = aligned(stride_cvb, V_ALIGN)
+    stride_cvh = aligned(stride_cvh, V_ALIGN)
+    if SPLIT_CACHE:
+        stride_cvd = aligned(stride_cvd, V_ALIGN)
+    else:
+        stride_cvt = aligned(stride_cvt, V_ALIGN)
+
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)
@@ -170,54 +183,87 @@ def prefix_prefill_kernel(
     if WINDOW:
         full_from = tl.maximum(pos_last - window + 1, 0)
 
+    # Cached phase. With the new tokens' K/V already written to the cache it covers them too (causally).
+    if NEW_KV_IN_CACHE:
+        kv_len = ctx_len + q_len
+        if CAUSAL:
+            c_end = pos_last + 1
+            full_to = pos_first + 1
+        else:
+            c_end = kv_len
+            full_to = kv_len
+    else:
+        kv_len = ctx_len
+        c_end = ctx_len
+        full_to = ctx_len
     block_row_ptr = block_table + seq.to(tl.int64) * stride_table_seq
     c_start = (lo // BLOCK_N) * BLOCK_N
     # A table without columns or a cache without blocks holds nothing to read, whatever ctx_len claims.
-    c_end = tl.where((table_width > 0) & (num_blocks > 0), ctx_len, 0)
+    c_end = tl.where((table_width > 0) & (num_blocks > 0), c_end, 0)
     if SPLIT_MASKS:
-        a, b = split_range(c_start, c_end, full_from, ctx_len, BLOCK_N)
+        a, b = split_range(c_start, c_end, full_from, full_to, BLOCK_N)
     else:
         a, b = c_start, c_start
-    acc, m_i, l_i = _cache_phase(acc, m_i, l_i, q, q_pos, alibi2, c_start, a, ctx_len, window, softcap, qk_scale_cache,
-                                 K_cache, V_cache, block_row_ptr, stride_table_col, table_width, num_blocks, block_size, kv_head,
-                                 offs_d, d_mask, stride_ckb, stride_ckh, stride_ckd, stride_ckt, stride_ckx,
+    CACHE_CAUSAL: tl.constexpr = NEW_KV_IN_CACHE and CAUSAL
+    acc, m_i, l_i = _cache_phase(acc, m_i, l_i, q, q_pos, alibi2, c_start, a, kv_len, window, softcap,
+                                 qk_scale_cache, K_cache, V_cache, block_row_ptr, stride_table_col, table_width,
+                                 num_blocks, block_size, kv_head, offs_d, d_mask,
+                                 stride_ckb, stride_ckh, stride_ckd, stride_ckt, stride_ckx,
                                  stride_cvb, stride_cvh, stride_cvd, stride_cvt,
-                                 X, BLOCK_N, True, WINDOW, SOFTCAP, ALIBI, DOT_PRECISION, PAGE_SIZE, HEAD_SIZE_PADDED)
-    acc, m_i, l_i = _cache_phase(acc, m_i, l_i, q, q_pos, alibi2, a, b, ctx_len, window, softcap, qk_scale_cache,
-                                 K_cache, V_cache, block_row_ptr, stride_table_col, table_width, num_blocks, block_size, kv_head,
-                                 offs_d, d_mask, stride_ckb, stride_ckh, stride_ckd, stride_ckt, stride_ckx,
+                                 X, BLOCK_N, True, CACHE_CAUSAL, WINDOW, SOFTCAP, ALIBI, DOT_PRECISION, PAGE_SIZE,
+                                 EVEN_D)
+    acc, m_i, l_i = _cache_phase(acc, m_i, l_i, q, q_pos, alibi2, a, b, kv_len, window, softcap,
+                                 qk_scale_cache, K_cache, V_cache, block_row_ptr, stride_table_col, table_width,
+                                 num_blocks, block_size, kv_head, offs_d, d_mask,
+                                 stride_ckb, stride_ckh, stride_ckd, stride_ckt, stride_ckx,
                                  stride_cvb, stride_cvh, stride_cvd, stride_cvt,
-                                 X, BLOCK_N, False, WINDOW, SOFTCAP, ALIBI, DOT_PRECISION, PAGE_SIZE, HEAD_SIZE_PADDED)
-    acc, m_i, l_i = _cache_phase(acc, m_i, l_i, q, q_pos, alibi2, b, c_end, ctx_len, window, softcap, qk_scale_cache,
-                                 K_cache, V_cache, block_row_ptr, stride_table_col, table_width, num_blocks, block_size, kv_head,
-                                 offs_d, d_mask, stride_ckb, stride_ckh, stride_ckd, stride_ckt, stride_ckx,
+                                 X, BLOCK_N, False, CACHE_CAUSAL, WINDOW, SOFTCAP, ALIBI, DOT_PRECISION, PAGE_SIZE,
+                                 EVEN_D)
+    acc, m_i, l_i = _cache_phase(acc, m_i, l_i, q, q_pos, alibi2, b, c_end, kv_len, window, softcap,
+                                 qk_scale_cache, K_cache, V_cache, block_row_ptr, stride_table_col, table_width,
+                                 num_blocks, block_size, kv_head, offs_d, d_mask,
+                                 stride_ckb, stride_ckh, stride_ckd, stride_ckt, stride_ckx,
                                  stride_cvb, stride_cvh, stride_cvd, stride_cvt,
-                                 X, BLOCK_N, True, WINDOW, SOFTCAP, ALIBI, DOT_PRECISION, PAGE_SIZE, HEAD_SIZE_PADDED)
-
+                                 X, BLOCK_N, True, CACHE_CAUSAL, WINDOW, SOFTCAP, ALIBI, DOT_PRECISION, PAGE_SIZE,
+                                 EVEN_D)
     acc = acc * v_scale_v
 
-    # New tokens, indexed from 0 within the sequence: causal up to the tile's last token.
-    n_start = (tl.maximum(lo - ctx_len, 0) // BLOCK_N) * BLOCK_N
-    n_end = tok_last + 1
-    if SPLIT_MASKS:
+    if not NEW_KV_IN_CACHE:
+        # New tokens, indexed from 0 within the sequence: causally up to the tile's last token, or all.
+        n_start = (tl.maximum(lo - ctx_len, 0) // BLOCK_N) * BLOCK_N
         # Mask-free tiles must also lie inside q/k/v whatever the metadata says.
-        full_to = tl.where(seq_row0 >= 0, tl.minimum(tok0 + 1, num_tokens - seq_row0), 0)
-        a, b = split_range(n_start, n_end, full_from - ctx_len, full_to, BLOCK_N)
-    else:
-        a, b = n_start, n_start
-    acc, m_i, l_i = _new_phase(acc, m_i, l_i, q, q_pos, alibi2, n_start, a, ctx_len, q_len, seq_row0, num_tokens,
-                               window, softcap, qk_scale, K, V, kv_head, offs_d, d_mask, stride_kt, stride_kh,
-                               stride_vt, stride_vh, BLOCK_N, True, WINDOW, SOFTCAP, ALIBI, DOT_PRECISION)
-    acc, m_i, l_i = _new_phase(acc, m_i, l_i, q, q_pos, alibi2, a, b, ctx_len, q_len, seq_row0, num_tokens,
-                               window, softcap, qk_scale, K, V, kv_head, offs_d, d_mask, stride_kt, stride_kh,
-                               stride_vt, stride_vh, BLOCK_N, False, WINDOW, SOFTCAP, ALIBI, DOT_PRECISION)
-    acc, m_i, l_i = _new_phase(acc, m_i, l_i, q, q_pos, alibi2, b, n_end, ctx_len, q_len, seq_row0, num_tokens,
-                               window, softcap, qk_scale, K, V, kv_head, offs_d, d_mask, stride_kt, stride_kh,
-                               stride_vt, stride_vh, BLOCK_N, True, WINDOW, SOFTCAP, ALIBI, DOT_PRECISION)
+        in_tensors = tl.where(seq_row0 >= 0, num_tokens - seq_row0, 0)
+        if CAUSAL:
+            n_end = tok_last + 1
+            full_to = tl.minimum(tok0 + 1, in_tensors)
+        else:
+            n_end = q_len
+            full_to = tl.minimum(q_len, in_tensors)
+        if SPLIT_MASKS:
+            a, b = split_range(n_start, n_end, full_from - ctx_len, full_to, BLOCK_N)
+        else:
+            a, b = n_start, n_start
+        acc, m_i, l_i = _new_phase(acc, m_i, l_i, q, q_pos, alibi2, n_start, a, ctx_len, q_len, seq_row0,
+                                   num_tokens, window, softcap, qk_scale, K, V, kv_head, offs_d, d_mask, stride_kt,
+                                   stride_kh, stride_vt, stride_vh, BLOCK_N, True, CAUSAL, WINDOW, SOFTCAP, ALIBI,
+                                   DOT_PRECISION, EVEN_D)
+        acc, m_i, l_i = _new_phase(acc, m_i, l_i, q, q_pos, alibi2, a, b, ctx_len, q_len, seq_row0,
+                                   num_tokens, window, softcap, qk_scale, K, V, kv_head, offs_d, d_mask, stride_kt,
+                                   stride_kh, stride_vt, stride_vh, BLOCK_N, False, CAUSAL, WINDOW, SOFTCAP, ALIBI,
+                                   DOT_PRECISION, EVEN_D)
+        acc, m_i, l_i = _new_phase(acc, m_i, l_i, q, q_pos, alibi2, b, n_end, ctx_len, q_len, seq_row0,
+                                   num_tokens, window, softcap, qk_scale, K, V, kv_head, offs_d, d_mask, stride_kt,
+                                   stride_kh, stride_vt, stride_vh, BLOCK_N, True, CAUSAL, WINDOW, SOFTCAP, ALIBI,
+                                   DOT_PRECISION, EVEN_D)
 
     sink2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     if SINKS:
         sink2 = tl.load(sinks + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
-    out = finish_rows(acc, m_i, l_i, sink2, 1.0, SINKS)
+    out_scale = 1.0
+    if OUT_SCALE:
+        out_scale = 1.0 / tl.load(out_scale_ptr).to(tl.float32)
+    out = finish_rows(acc, m_i, l_i, sink2, out_scale, SINKS)
+    if OUT_SCALE:
+        out = tl.minimum(tl.maximum(out, -OUT_MAX), OUT_MAX)  # quantised output saturates
     o_off = q_rows.to(tl.int64)[:, None] * stride_ot + head.to(tl.int64)[:, None] * stride_oh + offs_d[None, :]
     tl.store(Out + o_off, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])

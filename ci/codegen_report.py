@@ -1,0 +1,107 @@
+"""Codegen report: what the kernel compiles to for every policy tile of the bench suite, without a GPU.
+
+For each described device (H200 = sm90, A100 = sm80), each workload of ``pagedprefill bench``'s suite and
+each cache layout, the backend that would be selected picks its tile; the kernel is compiled ahead of time
+for that target and the report shows registers, spills, shared memory, whether the dots are ``wgmma``,
+the count of asynchronous copies, and whether the key loops are software-pipelined.
+
+Usage::
+
+    python ci/codegen_report.py                 # the whole suite, both devices, both layouts
+    python ci/codegen_report.py --quick         # one workload per device and layout (CI)
+    python ci/codegen_report.py --json out.json
+
+Exit status 1 when a tile spills registers or a key loop is not pipelined on sm80+ (``--strict``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from pagedprefill.api import select_backend
+from pagedprefill.backends.triton_base import problem_shape
+from pagedprefill.bench import default_suite
+from pagedprefill.cli import described_devices
+from pagedprefill.testing.batches import make_problem
+from pagedprefill.triton.codegen import codegen_summary
+
+DEVICES = {"h200": 90, "a100": 80}
+
+
+def small_twin(spec):
+    """The same kind of batch with short lengths: the code depends on shapes and flags, not on lengths."""
+    n = len(spec.query_lens)
+    return spec.replace(query_lens=(33,) * min(n, 2), context_lens=(70,) * min(n, 2))
+
+
+def report(quick: bool = False, devices=DEVICES, layouts=("split", "nhd"), log=print) -> list[dict]:
+    suite = default_suite()[:1] if quick else default_suite()
+    described = described_devices()
+    rows = []
+    for device_name, capability in devices.items():
+        device = described[device_name]
+        backend = select_backend(device)
+        for workload in suite:
+            for layout in layouts:
+                spec = workload.spec.replace(layout=layout)
+                shape = problem_shape(make_problem(small_twin(spec)))
+                # The policy sees the real batch's extents; the compiled code is the same for the twin.
+                shape = type(shape)(**{**shape.__dict__, "num_tokens": sum(spec.query_lens),
+                                       "num_seqs": len(spec.query_lens), "max_query_len": max(spec.query_lens)})
+                config = backend.tile_config(shape, device)
+                started = time.perf_counter()
+                summary = codegen_summary(make_problem(small_twin(spec)), config, capability)
+                row = {"device": device_name, "backend": backend.name, "workload": workload.name,
+                       "layout": layout, "tile": config.to_dict(), **summary.to_dict(),
+                       "compile_s": round(time.perf_counter() - started, 1)}
+                rows.append(row)
+                log(format_row(row))
+    return rows
+
+
+HEADER = (f"{'device':<6} {'workload':<30} {'layout':<6} {'tile':<22} {'regs':>4} {'spill':>5} "
+          f"{'smem KiB':>8} {'dots':<8} {'cp.async':>8} {'pipelined':>9} {'sync loads':>10}")
+
+
+def format_row(r: dict) -> str:
+    t = r["tile"]
+    tile = f"{t['block_m']}x{t['block_n']} w{t['num_warps']} s{t['num_stages']} g{t['heads_per_tile']}"
+    return (f"{r['device']:<6} {r['workload'][:30]:<30} {r['layout']:<6} {tile:<22} {r['registers'] or '?':>4} "
+            f"{r['spill_bytes'] if r['spill_bytes'] is not None else '?':>5} {r['shared_bytes'] / 1024:>8.1f} "
+            f"{r['dots']:<8} {r['async_copies']:>8} {r['pipelined_waits']:>9} {r['unpipelined_loads']:>10}")
+
+
+def problems(rows: list[dict]) -> list[str]:
+    """Rows that point at slow code: spills, or key loops left without asynchronous loads."""
+    out = []
+    for r in rows:
+        where = f"{r['device']} {r['workload']} {r['layout']}"
+        if r["spill_bytes"]:
+            out.append(f"{where}: {r['spill_bytes']} bytes of register spills")
+        if r["unpipelined_loads"]:
+            out.append(f"{where}: {r['unpipelined_loads']} K/V tile load(s) in key loops not pipelined")
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one workload per device and layout")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--strict", action="store_true", help="exit 1 on spills or unpipelined key loops")
+    args = parser.parse_args(argv)
+    print(HEADER, flush=True)
+    rows = report(quick=args.quick, log=lambda line: print(line, flush=True))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    found = problems(rows)
+    for line in found:
+        print("warning:", line)
+    return 1 if (args.strict and found) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Host overhead per call on a tiny batch (GPU): 2000 launches without synchronisation, CPU-bound.
+
+Compares the public drop-in (``context_attention_fwd``, default validation), the library's launcher alone,
+and a bare Triton launch of the same kernel with its arguments prepared once (what a hand-written launch
+of a seed-style kernel costs). Prints microseconds per call.
+"""
+
+import sys
+import time
+
+import pagedprefill as pp
+import torch
+from pagedprefill.api import select_backend
+from pagedprefill.backends.triton_base import problem_shape
+from pagedprefill.device import DeviceInfo
+from pagedprefill.testing import BatchSpec, make_problem
+from pagedprefill.triton.kernel import prefix_prefill_kernel
+from pagedprefill.triton.launch import kernel_call, launch_prefill
+
+
+def per_call_us(fn, n=2000):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def main():
+    spec = BatchSpec(query_lens=(4, 3), context_lens=(16, 9), num_heads=32, num_kv_heads=8, head_size=128,
+                     block_size=16, dtype=torch.bfloat16, layout=sys.argv[1] if len(sys.argv) > 1 else "split")
+    p = make_problem(spec, "cuda")
+    info = DeviceInfo.detect(p.device)
+    backend = select_backend(info)
+    cfg = backend.tile_config(problem_shape(p), info)
+    grid, args, kwargs = kernel_call(p, cfg)
+    c, b = p.cache, p.batch
+    drop_in = lambda: pp.context_attention_fwd(p.q, p.k, p.v, p.out, "auto", c.key, c.value, b.block_table,  # noqa: E731
+                                               b.query_start, b.seq_lens, b.context_lens, 4)
+    rows = {
+        "context_attention_fwd": per_call_us(drop_in),
+        f"{backend.name} backend.run": per_call_us(lambda: backend.run(p, info)),
+        "launch_prefill": per_call_us(lambda: launch_prefill(p, cfg)),
+        "bare Triton launch": per_call_us(lambda: prefix_prefill_kernel[grid](*args, **kwargs)),
+    }
+    for name, us in rows.items():
+        print(f"host overhead {spec.layout:<5} {name:<28} {us:7.1f} us/call")
+
+
+if __name__ == "__main__":
+    main()
