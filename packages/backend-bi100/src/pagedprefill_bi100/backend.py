@@ -2,9 +2,9 @@
 
 It runs on Iluvatar CoreX GPUs only: BI-V100 (ivcore10, capability 7.0), BI-V150 / BI-V150S / MR-V50
 (ivcore11, 7.1), and later parts (an ivcore20 reports 8.0), which it accepts with the table's fallback
-limits. The device must be identified as Iluvatar by :meth:`pagedprefill.DeviceInfo.detect` (device name,
-``+corex`` torch build, ``torch.corex``, or ``PAGEDPREFILL_VENDOR``): capability alone cannot tell a
-BI-V100 from an NVIDIA V100.
+limits. The device must be identified as Iluvatar, which this package's detection hook does (device name,
+``+corex`` torch build, ``torch.corex``, or ``PAGEDPREFILL_VENDOR``; see :mod:`.detect`): capability alone
+cannot tell a BI-V100 from an NVIDIA V100.
 
 Every feature of core's kernel is available (GQA/MQA, ALiBi, sliding window, softcap, sinks,
 fp16/bf16/fp32, head sizes up to 256, any block size) except FP8 KV caches, as Triton on this hardware
@@ -19,9 +19,8 @@ from pagedprefill.device import DeviceInfo
 from pagedprefill.registry import UnsupportedFeatureError
 from pagedprefill.types import PrefillProblem
 
+from .detect import VENDOR
 from .policy import bi100_policy, unfit_reason
-
-VENDOR = "iluvatar"
 
 
 class Bi100Backend(TritonBackend):
