@@ -8,11 +8,10 @@ current device is.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 
+from ..accelerator import device_guard
 from ..tiling import TileConfig, padded_head_size
 from ..types import KVLayout, PrefillProblem
 from .kernel import prefix_prefill_kernel
@@ -70,8 +69,7 @@ def launch_prefill(problem: PrefillProblem, config: TileConfig):
     grid = (T // tokens_per_tile + B, p.num_kv_heads * head_chunks)
     bs = p.cache.block_size
     pagewise = config.pagewise and bs & (bs - 1) == 0 and (config.block_n % bs == 0 or bs % config.block_n == 0)
-    device_ctx = torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
-    with device_ctx:
+    with device_guard(q.device):
         return prefix_prefill_kernel[grid](
             q, p.k, p.v, out, key, value, table, p.batch.query_start, p.batch.seq_lens, p.batch.context_lens,
             opts.alibi_slopes if opts.alibi_slopes is not None else q,
