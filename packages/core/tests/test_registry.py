@@ -595,8 +595,8 @@ def test_backend_template_installs_and_never_hijacks_selection(template_site):
         nvidia = DeviceInfo(type="cuda", vendor="nvidia", name="NVIDIA H200", index=0, capability=(9, 0),
                             num_sms=132, max_shared_mem=227 * 1024, triton_backend="cuda")
         interp_cpu = dataclasses.replace(CPU, triton_backend="interpreter")
-        own = DeviceInfo(type="cuda", vendor=VENDOR, name="My Accelerator", index=0, capability=(8, 0),
-                         warp_size=64, num_sms=64, max_shared_mem=64 * 1024, triton_backend="cuda")
+        own = DeviceInfo(type="xpu", vendor=VENDOR, name="My Accelerator", index=0, warp_size=64, num_sms=64,
+                         max_shared_mem=64 * 1024, triton_backend="xpu")
         os.environ["TRITON_INTERPRET"] = "1"
         interp_reasons = backend.supports(interp_cpu)
         del os.environ["TRITON_INTERPRET"]
@@ -622,6 +622,18 @@ def test_backend_template_installs_and_never_hijacks_selection(template_site):
             "triton_imported": "triton" in sys.modules,
         })
     ''')
+    detected = run_python(template_site, '''
+        from pagedprefill.testing.described import described_device
+        from pagedprefill_mybackend.detect import DEVICE_TYPE, NAME_PREFIX
+
+        with described_device(DEVICE_TYPE, name=f"{NAME_PREFIX} 1"):
+            own = DeviceInfo.detect(f"{DEVICE_TYPE}:0").vendor
+        with described_device(DEVICE_TYPE, name="Another accelerator"):
+            other = DeviceInfo.detect(f"{DEVICE_TYPE}:0").vendor
+        emit({"type": DEVICE_TYPE, "own": own, "other": other})
+    ''')
+    assert detected["type"] != "cuda"  # the template shows a device type of its own
+    assert detected["own"] == "myvendor" and detected["other"] == detected["type"]
     assert "mybackend=pagedprefill_mybackend.plugin" in facts["entry_points"]
     assert facts["priority"] == 150
     assert facts["placeholder_vendor"] == "myvendor"
