@@ -14,13 +14,13 @@ with the smallest tile, so it is refused on BI-V100 (it runs on ivcore11 parts).
 
 from __future__ import annotations
 
-from pagedprefill.backends.triton_base import TritonBackend, problem_shape
+from pagedprefill.backends.triton_base import TritonBackend
 from pagedprefill.device import DeviceInfo
 from pagedprefill.registry import UnsupportedFeatureError
 from pagedprefill.types import PrefillProblem
 
 from .detect import VENDOR
-from .policy import bi100_policy, unfit_reason
+from .policy import bi100_policy
 
 
 class Bi100Backend(TritonBackend):
@@ -51,10 +51,4 @@ class Bi100Backend(TritonBackend):
                 f"or run this call on the reference backend (backend='reference' or "
                 f"PAGEDPREFILL_BACKEND=reference), which dequantises FP8 in PyTorch (slow)."
             )
-        reason = unfit_reason(problem_shape(problem), device)
-        if reason is not None:
-            raise UnsupportedFeatureError(
-                f"backend 'bi100' cannot run this call on {device.name}: {reason}. Alternatives: fp16 or bf16 "
-                f"queries and cache (half the shared memory), or the reference backend (backend='reference' or "
-                f"PAGEDPREFILL_BACKEND=reference)."
-            )
+        super().check_problem(problem, device)  # the policy's (remembered) tile must fit shared memory
