@@ -11,11 +11,13 @@ import pytest
 import torch
 from pagedprefill.device import DeviceInfo, interpreter_enabled
 from pagedprefill.testing import ConformanceSuite
+from pagedprefill.testing.described import described_device
 from pagedprefill.tiling import ProblemShape
 from pagedprefill_mybackend import VENDOR, MyBackend, my_policy
+from pagedprefill_mybackend.detect import DEVICE_TYPE, NAME_PREFIX, SHARED_MEM
 
-OWN_DEVICE = DeviceInfo(type="cuda", vendor=VENDOR, name="placeholder accelerator", index=0, capability=(9, 0),
-                        warp_size=32, num_sms=64, max_shared_mem=64 * 1024, triton_backend="cuda")
+OWN_DEVICE = DeviceInfo(type=DEVICE_TYPE, vendor=VENDOR, name=f"{NAME_PREFIX} 1", index=0, warp_size=32, num_sms=64,
+                        max_shared_mem=64 * 1024, triton_backend=DEVICE_TYPE)
 
 
 class TestMyBackendConformance(ConformanceSuite):
@@ -52,8 +54,18 @@ def test_supports_only_its_own_vendor():
     assert MyBackend().supports(other) != []
     assert MyBackend().supports(DeviceInfo(type="cpu", vendor="cpu", name="cpu")) != []
     assert MyBackend().hardware_reasons(OWN_DEVICE) == []
-    old = dataclasses.replace(OWN_DEVICE, capability=(7, 0))
-    assert any("capability" in reason for reason in MyBackend().hardware_reasons(old))
+    small = dataclasses.replace(OWN_DEVICE, max_shared_mem=16 * 1024)
+    assert any("shared memory" in reason for reason in MyBackend().hardware_reasons(small))
+
+
+def test_detection_recognises_the_hardware_by_name(monkeypatch):
+    monkeypatch.delenv("PAGEDPREFILL_VENDOR", raising=False)
+    # torch reports the device (its runtime does not report shared memory): the hook names it and fills it in
+    with described_device(DEVICE_TYPE, name=f"{NAME_PREFIX} 1", num_sms=64):
+        info = DeviceInfo.detect(f"{DEVICE_TYPE}:0")
+    assert (info.vendor, info.max_shared_mem) == (VENDOR, SHARED_MEM)
+    with described_device(DEVICE_TYPE, name="Another accelerator", num_sms=64):
+        assert DeviceInfo.detect(f"{DEVICE_TYPE}:0").vendor != VENDOR
 
 
 @pytest.mark.parametrize("head_size", [1, 24, 64, 96, 128, 256])

@@ -156,8 +156,9 @@ def test_float32_beyond_head_size_128_is_refused_on_bi_v100_only():
     with pytest.raises(UnsupportedFeatureError) as err:
         bi100().check_problem(problem, BI_V100)
     message = str(err.value)
-    assert "float32 with head size 192" in message and "shared memory" in message
-    assert "fp16 or bf16" in message and "reference" in message
+    assert "head_size 192 with float32" in message and "shared memory" in message
+    assert "Iluvatar BI-V100 has 49152 per block" in message
+    assert "float16/bfloat16" in message and "reference" in message
     bi100().check_problem(problem, BI_V150)
 
 

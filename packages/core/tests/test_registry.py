@@ -463,7 +463,7 @@ def broken_facts(plugins_site) -> dict:
         result = {
             "imported": True,
             "import_selection": pp.import_selection(),
-            "import_error": repr(pp._import_selection_error),
+            "first_call": error_of(pp.select_backend),
             "entry_points": sorted(ep.name for ep in md.entry_points(group=pp.ENTRY_POINT_GROUP)),
         }
         os.environ.pop("PAGEDPREFILL_BACKEND")
@@ -486,10 +486,10 @@ def broken_facts(plugins_site) -> dict:
 def test_broken_plugin_does_not_break_import(broken_facts):
     assert broken_facts["imported"] is True
     assert "broken" in broken_facts["entry_points"]
-    # the import-time choice (PAGEDPREFILL_BACKEND=broken) failed quietly and kept the error for later
+    # the import-time choice (PAGEDPREFILL_BACKEND=broken) failed quietly; the first call explains
     assert broken_facts["import_selection"] is None
-    assert "BackendUnavailableError" in broken_facts["import_error"]
-    assert BROKEN_ERROR in broken_facts["import_error"]
+    assert broken_facts["first_call"]["type"] == "BackendUnavailableError"
+    assert BROKEN_ERROR in broken_facts["first_call"]["message"]
 
 
 def test_broken_plugin_is_recorded_with_its_error(broken_facts):
@@ -595,8 +595,8 @@ def test_backend_template_installs_and_never_hijacks_selection(template_site):
         nvidia = DeviceInfo(type="cuda", vendor="nvidia", name="NVIDIA H200", index=0, capability=(9, 0),
                             num_sms=132, max_shared_mem=227 * 1024, triton_backend="cuda")
         interp_cpu = dataclasses.replace(CPU, triton_backend="interpreter")
-        own = DeviceInfo(type="cuda", vendor=VENDOR, name="My Accelerator", index=0, capability=(8, 0),
-                         warp_size=64, num_sms=64, max_shared_mem=64 * 1024, triton_backend="cuda")
+        own = DeviceInfo(type="xpu", vendor=VENDOR, name="My Accelerator", index=0, warp_size=64, num_sms=64,
+                         max_shared_mem=64 * 1024, triton_backend="xpu")
         os.environ["TRITON_INTERPRET"] = "1"
         interp_reasons = backend.supports(interp_cpu)
         del os.environ["TRITON_INTERPRET"]
@@ -622,6 +622,18 @@ def test_backend_template_installs_and_never_hijacks_selection(template_site):
             "triton_imported": "triton" in sys.modules,
         })
     ''')
+    detected = run_python(template_site, '''
+        from pagedprefill.testing.described import described_device
+        from pagedprefill_mybackend.detect import DEVICE_TYPE, NAME_PREFIX
+
+        with described_device(DEVICE_TYPE, name=f"{NAME_PREFIX} 1"):
+            own = DeviceInfo.detect(f"{DEVICE_TYPE}:0").vendor
+        with described_device(DEVICE_TYPE, name="Another accelerator"):
+            other = DeviceInfo.detect(f"{DEVICE_TYPE}:0").vendor
+        emit({"type": DEVICE_TYPE, "own": own, "other": other})
+    ''')
+    assert detected["type"] != "cuda"  # the template shows a device type of its own
+    assert detected["own"] == "myvendor" and detected["other"] == detected["type"]
     assert "mybackend=pagedprefill_mybackend.plugin" in facts["entry_points"]
     assert facts["priority"] == 150
     assert facts["placeholder_vendor"] == "myvendor"
@@ -634,3 +646,96 @@ def test_backend_template_installs_and_never_hijacks_selection(template_site):
     assert facts["tiles_ok"] is True
     assert facts["triton_imported"] is False
     assert {"MyBackend", "my_policy"} <= set(facts["exports"])
+
+
+# --------------------------------------------------------------------------------------------------------
+# A backend for a device type other than cuda, added by its package alone (tests/plugins/pagedprefill-example)
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def example_site(pip_available, tmp_path_factory) -> Path:
+    """A directory holding the installed ``pagedprefill-example`` package (and nothing else)."""
+    target = tmp_path_factory.mktemp("site-example")
+    pip_install([PLUGINS / "pagedprefill-example"], target, tmp_path_factory.mktemp("src-example"))
+    return target
+
+
+@pytest.fixture(scope="module")
+def example_facts(example_site) -> dict:
+    """Discovery, detection, selection and a run of the ``example`` backend on a described Example X1."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed: the example backend's kernels cannot run, nor its device be described")
+    return run_python(example_site, '''
+        import contextlib, dataclasses, io
+        import torch
+        from pagedprefill import cli
+        from pagedprefill.backends.triton_base import problem_shape
+        from pagedprefill.testing import BatchSpec, fresh_output, make_problem
+        from pagedprefill.testing.described import described_device
+
+        # Triton reads TRITON_INTERPRET for its own library when it is first imported, so it is imported with
+        # the variable set; detection and selection then run without it, as on a machine with the device.
+        import triton  # noqa: F401
+        os.environ.pop("TRITON_INTERPRET")
+        result = {"backends": [b.name for b in pp.available_backends()]}
+        # torch and Triton report an xpu device named "Example X1"; neither reports its shared memory
+        with described_device("xpu", name="Example X1", capability=(1, 0), num_sms=32, triton_backend="xpu"):
+            info = DeviceInfo.detect("xpu:0")
+            result["status"] = {r.name: [r.supported, list(r.reasons)] for r in pp.get_registry().status(info)}
+            result["chosen"] = pp.select_backend(info).name
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                result["info_rc"] = cli.main(["info", "--device", "xpu:0"])
+            result["info_cli"] = out.getvalue()
+        result["detected"] = dataclasses.asdict(info)
+        with described_device("xpu", name="Another XPU", num_sms=64, triton_backend="xpu", max_shared_mem=128 * 1024,
+                              warp_size=32):
+            other = DeviceInfo.detect("xpu:0")
+            result["other"] = [other.vendor, pp.select_backend(other).name]
+
+        # Run: the chosen backend, with the tile its policy picks for the Example X1, runs its kernels in
+        # Triton's interpreter on CPU tensors, and is compared with the reference.
+        os.environ["TRITON_INTERPRET"] = "1"
+        backend = pp.get_registry().get(result["chosen"])
+        spec = BatchSpec(query_lens=(17, 1, 40), context_lens=(33, 64, 0), num_heads=4, num_kv_heads=2, head_size=64,
+                         block_size=16, dtype=torch.float32, seed=0)
+        problem = make_problem(spec, torch.device("cpu"))
+        backend.check_problem(problem, info)
+        backend.run(problem, info)
+        expect = pp.reference_prefill(fresh_output(problem))
+        result["tile"] = backend.tile_config(problem_shape(problem), info).to_dict()
+        result["max_abs_err"] = float((problem.out - expect).abs().max())
+        emit(result)
+    ''', TRITON_INTERPRET="1")
+
+
+def test_example_backend_is_discovered_detected_and_selected(example_facts):
+    assert "example" in example_facts["backends"]
+    detected = example_facts["detected"]
+    # core's view (type, name, capability, SMs, Triton's target) refined by the example package's hook
+    assert detected == {"type": "xpu", "index": 0, "vendor": "examplevendor", "name": "Example X1",
+                        "capability": [1, 0], "warp_size": 16, "num_sms": 32, "max_shared_mem": 64 * 1024,
+                        "triton_backend": "xpu"}
+    assert example_facts["chosen"] == "example"
+    assert example_facts["status"]["example"] == [True, []]
+    if GENERIC_INSTALLED:  # generic also runs on any Triton device; the example wins by priority
+        assert example_facts["status"]["generic"] == [True, []]
+
+
+def test_example_backend_shows_in_info_for_its_device(example_facts):
+    out = example_facts["info_cli"]
+    assert example_facts["info_rc"] == 0, out
+    assert "device: Example X1 (xpu:0), vendor=examplevendor" in out and "triton=xpu" in out
+    assert "choice: example (priority 200)" in out
+
+
+def test_example_backend_leaves_other_xpu_devices_alone(example_facts):
+    vendor, chosen = example_facts["other"]
+    assert vendor == "xpu"  # nobody recognised it: core's general view
+    assert chosen == ("generic" if GENERIC_INSTALLED else "reference")
+
+
+def test_example_backend_runs_its_tile_in_the_interpreter(example_facts):
+    assert example_facts["tile"]["block_m"] == 32 and example_facts["tile"]["heads_per_tile"] == 2
+    assert example_facts["max_abs_err"] < 1e-4

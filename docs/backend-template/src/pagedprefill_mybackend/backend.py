@@ -1,8 +1,8 @@
 """The ``mybackend`` backend: core's Triton kernel with this package's tiling policy.
 
-Replace :data:`VENDOR` with the ``DeviceInfo.vendor`` of your hardware (``pagedprefill info`` prints it),
-and :meth:`MyBackend.hardware_reasons` with what your kernels need. Until then the backend supports no
-real device, so installing the template as it is never changes which backend a program uses.
+The hardware is recognised in :mod:`.detect`, which gives its devices the vendor :data:`VENDOR`; replace
+:meth:`MyBackend.hardware_reasons` with what your kernels need. Until then the backend supports no real
+device, so installing the template as it is never changes which backend a program uses.
 """
 
 from __future__ import annotations
@@ -12,13 +12,8 @@ from pagedprefill.backends.triton_base import TritonBackend
 from pagedprefill.device import DeviceInfo
 from pagedprefill.types import PrefillProblem
 
+from .detect import VENDOR
 from .policy import my_policy
-
-#: The vendor this backend is for (placeholder: no device reports it).
-VENDOR = "myvendor"
-
-#: Oldest compute capability the kernels are tuned and tested for.
-MIN_CAPABILITY = (8, 0)
 
 #: Smallest shared memory per block the policy's tiles are planned for (bytes).
 MIN_SHARED_MEM = 32 * 1024
@@ -45,9 +40,8 @@ class MyBackend(TritonBackend):
 
     def hardware_reasons(self, device: DeviceInfo) -> list[str]:
         reasons = []
-        if device.capability < MIN_CAPABILITY:
-            have, need = ".".join(map(str, device.capability)), ".".join(map(str, MIN_CAPABILITY))
-            reasons.append(f"needs compute capability {need} or newer, {device.name} has {have}")
+        # Also check what your kernels need of the part: a capability (for types that report one), a
+        # Triton target (device.triton_backend)...
         if device.max_shared_mem and device.max_shared_mem < MIN_SHARED_MEM:
             reasons.append(f"needs {MIN_SHARED_MEM // 1024} KiB of shared memory per block, "
                            f"{device.name} has {device.max_shared_mem // 1024} KiB")
@@ -61,3 +55,4 @@ class MyBackend(TritonBackend):
                 f"{self.name}: {device.name} cannot read {fmt} KV caches; store the cache in the model dtype "
                 "(kv_cache_dtype='auto') or choose backend='generic' or backend='reference'"
             )
+        super().check_problem(problem, device)  # the policy's tile must fit the device's shared memory

@@ -2,9 +2,9 @@
 
 It runs on Iluvatar CoreX GPUs only: BI-V100 (ivcore10, capability 7.0), BI-V150 / BI-V150S / MR-V50
 (ivcore11, 7.1), and later parts (an ivcore20 reports 8.0), which it accepts with the table's fallback
-limits. The device must be identified as Iluvatar by :meth:`pagedprefill.DeviceInfo.detect` (device name,
-``+corex`` torch build, ``torch.corex``, or ``PAGEDPREFILL_VENDOR``): capability alone cannot tell a
-BI-V100 from an NVIDIA V100.
+limits. The device must be identified as Iluvatar, which this package's detection hook does (device name,
+``+corex`` torch build, ``torch.corex``, or ``PAGEDPREFILL_VENDOR``; see :mod:`.detect`): capability alone
+cannot tell a BI-V100 from an NVIDIA V100.
 
 Every feature of core's kernel is available (GQA/MQA, ALiBi, sliding window, softcap, sinks,
 fp16/bf16/fp32, head sizes up to 256, any block size) except FP8 KV caches, as Triton on this hardware
@@ -14,14 +14,13 @@ with the smallest tile, so it is refused on BI-V100 (it runs on ivcore11 parts).
 
 from __future__ import annotations
 
-from pagedprefill.backends.triton_base import TritonBackend, problem_shape
+from pagedprefill.backends.triton_base import TritonBackend
 from pagedprefill.device import DeviceInfo
 from pagedprefill.registry import UnsupportedFeatureError
 from pagedprefill.types import PrefillProblem
 
-from .policy import bi100_policy, unfit_reason
-
-VENDOR = "iluvatar"
+from .detect import VENDOR
+from .policy import bi100_policy
 
 
 class Bi100Backend(TritonBackend):
@@ -52,10 +51,4 @@ class Bi100Backend(TritonBackend):
                 f"or run this call on the reference backend (backend='reference' or "
                 f"PAGEDPREFILL_BACKEND=reference), which dequantises FP8 in PyTorch (slow)."
             )
-        reason = unfit_reason(problem_shape(problem), device)
-        if reason is not None:
-            raise UnsupportedFeatureError(
-                f"backend 'bi100' cannot run this call on {device.name}: {reason}. Alternatives: fp16 or bf16 "
-                f"queries and cache (half the shared memory), or the reference backend (backend='reference' or "
-                f"PAGEDPREFILL_BACKEND=reference)."
-            )
+        super().check_problem(problem, device)  # the policy's (remembered) tile must fit shared memory

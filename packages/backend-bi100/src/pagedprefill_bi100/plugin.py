@@ -1,4 +1,4 @@
-"""Entry point of the ``bi100`` backend (cheap: imports no Triton, queries no device)."""
+"""Entry point of the ``bi100`` backend (cheap: imports no Triton; only detection looks at a device)."""
 
 import pagedprefill
 
@@ -15,3 +15,10 @@ def pagedprefill_described_devices():
     from . import described_devices
 
     return described_devices()
+
+
+@pagedprefill.hookimpl
+def pagedprefill_detect_device(info):
+    from .detect import detect_iluvatar
+
+    return detect_iluvatar(info)

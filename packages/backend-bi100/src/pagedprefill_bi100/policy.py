@@ -1,19 +1,8 @@
 """Tiling policy of the ``bi100`` backend (Iluvatar CoreX: BI-V100, BI-V150, BI-V150S, MR-V50).
 
 ``bi100_policy(shape, device) -> TileConfig`` decides from the device's own limits, completed by the
-table in ``devices.json`` where the runtime reports 0 or nothing (see :mod:`.device_table`):
-
-=========  ==========  ===========  =============  =====  ==========
-arch       capability  parts        shared/block   warp   max stages
-=========  ==========  ===========  =============  =====  ==========
-ivcore10   (7, 0)      BI-V100      48 KiB         64     1
-ivcore11   (7, 1)      BI-V150(S),  128 KiB        64     2
-                       MR-V50
-ivcore20   (8, 0)      (future)     48 KiB         64     2
-default    other       unknown      48 KiB         64     1
-=========  ==========  ===========  =============  =====  ==========
-
-(16 SMs assumed everywhere when the runtime does not say.)
+table in ``devices.json`` where the runtime reports 0 or nothing (see :mod:`.device_table`; the
+per-architecture values, shared memory, warp size, SMs and pipelining depth, are kept there only).
 
 Steps:
 
@@ -24,9 +13,9 @@ Steps:
 3. Rows that would stay empty are not allocated: when the call's query-length bound times the packed heads
    is below ``block_m``, ``block_m`` drops to that many rows (power of two, at least 16); when the grid would
    have fewer programs than the device has SMs, ``block_m`` is halved (not below 32) to spread the work.
-4. Pipelining: the architecture's ``max_stages`` (1 on ivcore10, whose async copy is off; 2 on ivcore11),
-   never above 2. If the tile does not fit with 2 stages, the second stage is dropped before any tile is
-   shrunk (a full-size tile matters more than pipelining).
+4. Pipelining: the architecture's ``max_stages`` from the table, never above 2. If the tile does not fit
+   with 2 stages, the second stage is dropped before any tile is shrunk (a full-size tile matters more than
+   pipelining).
 5. :func:`pagedprefill.tiling.shrink_to_fit` with the device's shared memory per block as the budget, so
    every tile for head sizes 1..256 in fp16/bf16/fp32 fits the model of
    :meth:`~pagedprefill.tiling.TileConfig.shared_mem_bytes`.

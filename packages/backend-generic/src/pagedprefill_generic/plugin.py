@@ -8,3 +8,10 @@ def pagedprefill_backends():
     from .backend import GenericBackend
 
     return [GenericBackend()]
+
+
+@pagedprefill.hookimpl(trylast=True)
+def pagedprefill_detect_device(info):
+    from .detect import detect_cuda_compatible
+
+    return detect_cuda_compatible(info)

@@ -53,7 +53,6 @@ __all__ = [
 ]
 
 _import_selection: Optional[Backend] = None
-_import_selection_error: Optional[BaseException] = None
 
 
 def import_selection() -> Optional[Backend]:
@@ -64,5 +63,5 @@ def import_selection() -> Optional[Backend]:
 if os.environ.get("PAGEDPREFILL_LAZY_SELECT", "0") in ("", "0"):
     try:
         _import_selection = select_backend()
-    except Exception as _exc:  # never fail the import; the first call raises the full explanation
-        _import_selection_error = _exc
+    except Exception:  # never fail the import; the first call raises the full explanation
+        pass

@@ -3,7 +3,7 @@
 For each workload the selected backends and the peers run on the same data: the reference, and torch's
 scaled_dot_product_attention (each of its fused backends that accepts the call: flash, cuDNN, efficient)
 on the cached K/V gathered into contiguous tensors beforehand (the gather is not timed). Times are
-medians of repeated CUDA-event timings. FLOPs are ``4 * D * H * attended (query, key) pairs``, with the
+medians of repeated device-event timings. FLOPs are ``4 * D * H * attended (query, key) pairs``, with the
 causal and window parts counted exactly.
 """
 
@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
+from . import accelerator
 from .cache import gather_kv
 from .testing.batches import BatchSpec, fresh_output, make_problem
 from .types import PrefillProblem
@@ -115,7 +116,7 @@ def sdpa_peers(problem: PrefillProblem) -> dict[str, Callable[[], object]]:
                 run_all()
         try:
             call()
-            torch.cuda.synchronize()
+            accelerator.synchronize(p.q.device)
         except Exception:
             continue  # this fused backend does not accept the call (dtype, head size, mask, GQA)
         peers[label] = call
@@ -152,12 +153,12 @@ def run_suite(backends: list[str], workloads: list[Workload], device: torch.devi
         impls.update(sdpa_peers(problem))
         for label, fn in impls.items():
             fn()  # warm-up and compile, then one call alone for peak memory (do_bench allocates its own buffers)
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            base_mem = torch.cuda.memory_allocated(device)
+            accelerator.synchronize(device)
+            accelerator.reset_peak_memory_stats(device)
+            base_mem = accelerator.memory_allocated(device)
             fn()
-            torch.cuda.synchronize(device)
-            peak = torch.cuda.max_memory_allocated(device) - base_mem
+            accelerator.synchronize(device)
+            peak = accelerator.max_memory_allocated(device) - base_mem
             ms = _median_ms(fn, reps if label != "reference" else 10)
             row = {"workload": wl.name, "impl": label, "ms": ms, "tflops": f / ms / 1e9,
                    "peak_extra_mib": peak / 2**20, "note": wl.note}
@@ -172,7 +173,7 @@ def run_suite(backends: list[str], workloads: list[Workload], device: torch.devi
             if progress:
                 progress(f"    {label:<16} {ms:9.3f} ms {row['tflops']:8.1f} TFLOP/s")
         del problem
-        torch.cuda.empty_cache()
+        accelerator.empty_cache(device)
     return rows
 
 
@@ -217,12 +218,14 @@ def plot(rows: list[dict], path: str, title: str) -> Optional[str]:
 
 def cmd_bench(args) -> int:
     from .api import select_backend
-    from .device import DeviceInfo
+    from .device import DeviceInfo, current_accelerator_type
 
-    if not torch.cuda.is_available():
-        print("pagedprefill bench: needs a GPU (timings use CUDA events); none is visible", file=sys.stderr)
+    accel = current_accelerator_type()
+    if accel is None:
+        print("pagedprefill bench: needs an accelerator (timings use its device events); none is visible",
+              file=sys.stderr)
         return 2
-    device = torch.device(args.device or "cuda")
+    device = torch.device(args.device or accel)
     info = DeviceInfo.detect(device)
     backends = args.backend or [select_backend(info).name]
     suite = default_suite()

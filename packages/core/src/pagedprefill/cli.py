@@ -1,15 +1,10 @@
-"""The ``pagedprefill`` command: ``info``, ``demo`` (core) and the commands backends add (``bench``, ``tune``).
-
-Backends contribute commands through the ``pagedprefill.commands`` entry-point group: each entry point is a
-function ``register(subparsers)`` that adds a sub-command whose handler is set with ``set_defaults(func=...)``.
-"""
+"""The ``pagedprefill`` command: ``info``, ``demo``, ``bench`` and ``tune``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
-from importlib import metadata
 from typing import Optional
 
 import torch
@@ -20,8 +15,6 @@ from .device import DeviceInfo
 from .registry import BackendUnavailableError
 from .testing.batches import BatchSpec, fresh_output, make_problem
 from .testing.cases import DEFAULT_TOLERANCES
-
-COMMANDS_GROUP = "pagedprefill.commands"
 
 
 def _device_info(args) -> DeviceInfo:
@@ -143,11 +136,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench.register(sub)
     tune.register(sub)
-    for ep in metadata.entry_points(group=COMMANDS_GROUP):
-        try:
-            ep.load()(sub)
-        except Exception as exc:  # a broken command must not break the others
-            print(f"pagedprefill: command plugin {ep.name!r} failed to load: {exc}", file=sys.stderr)
     return parser
 
 

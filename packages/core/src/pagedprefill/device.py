@@ -1,24 +1,29 @@
 """What a device is: vendor, name, capability, warp size, SM count, shared memory, Triton backend.
 
-:class:`DeviceInfo` is a frozen value. ``DeviceInfo.detect()`` reads it from the runtime (once per device,
-cached); tests and tools build one by hand to describe hardware that is not present.
+:class:`DeviceInfo` is a frozen value. ``DeviceInfo.detect()`` reads it from the runtime (once per device and
+registry, cached); tests and tools build one by hand to describe hardware that is not present.
 
-Vendor detection for devices PyTorch calls ``cuda`` (NVIDIA, Iluvatar CoreX and MetaX all do), first match
-wins:
+Detection has three steps (see :meth:`pagedprefill.registry.Registry.detect_device`):
 
-1. ``PAGEDPREFILL_VENDOR`` environment variable (an explicit override);
-2. ``torch.version.hip`` set: ``amd``;
-3. device name starting with ``Iluvatar``, ``+corex`` in ``torch.__version__``, or a ``torch.corex``
-   module: ``iluvatar``;
-4. device name containing ``MetaX``: ``metax``;
-5. otherwise ``nvidia``.
+1. :func:`general_info`: what torch and Triton report for any device type, through device-generic calls
+   (``torch.get_device_module(type).get_device_properties``, Triton's active driver). The vendor here is
+   torch's own view: a ``cuda`` device of a ROCm build of torch (``torch.version.hip``) is ``amd``, another
+   ``cuda`` device ``nvidia``, any other type is named by its type (``xpu``, ``npu``, ``mlu``...). Values
+   nobody reported are left at 0.
+2. The ``pagedprefill_detect_device`` hook: a backend package recognises its own hardware and returns a
+   refined description (the first answer wins). Vendors whose parts present themselves as ``cuda``
+   (Iluvatar CoreX in ``pagedprefill-bi100``, MetaX in ``pagedprefill-generic``) are told apart there, so
+   core holds no vendor's rules.
+3. :func:`fill_defaults`: what is still unknown gets conservative general values.
 
-Capability alone never decides the vendor: an NVIDIA V100 and an Iluvatar BI-V100 both report (7, 0).
+``PAGEDPREFILL_VENDOR`` overrides the vendor of accelerator devices: the hooks see it, and it wins over
+their answer. Capability alone never decides the vendor: an NVIDIA V100 and an Iluvatar BI-V100 both
+report (7, 0).
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -27,8 +32,13 @@ import torch
 
 DeviceLike = Union[str, int, torch.device, None]
 
-#: Shared memory per block when the runtime cannot tell, by vendor (bytes).
-DEFAULT_SHARED_MEM = {"nvidia": 48 * 1024, "iluvatar": 48 * 1024, "amd": 64 * 1024, "metax": 64 * 1024}
+#: Environment variable that sets the vendor of accelerator devices, whatever detection says.
+ENV_VENDOR = "PAGEDPREFILL_VENDOR"
+
+#: Shared memory per block assumed when neither the runtime nor a plugin says: what CUDA guarantees to
+#: every block without opt-in, and the local data share of a HIP work-group.
+FALLBACK_SHARED_MEM = 48 * 1024
+FALLBACK_SHARED_MEM_HIP = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -36,16 +46,20 @@ class DeviceInfo:
     """A description of one device, detected or written by hand.
 
     Attributes:
-        type: torch device type (``"cuda"``, ``"cpu"``, ``"xpu"``...).
+        type: torch device type (``"cuda"``, ``"cpu"``, ``"xpu"``, ``"npu"``...).
         index: device index, or None for the CPU.
-        vendor: ``nvidia``, ``iluvatar``, ``amd``, ``metax``, ``cpu`` or another lower-case name.
+        vendor: a lower-case name: ``nvidia`` or ``amd`` for torch's ``cuda`` devices, what a backend's
+            detection hook says for hardware it recognises (``iluvatar``, ``metax``, ...), ``cpu``, or the
+            device type when nothing more is known.
         name: the runtime's device name (e.g. ``"NVIDIA H200"``, ``"Iluvatar BI-V100"``).
-        capability: ``(major, minor)`` as reported (Iluvatar reports NVIDIA-like numbers).
-        warp_size: threads per warp (64 on Iluvatar and AMD CDNA).
-        num_sms: streaming multiprocessors / compute units.
-        max_shared_mem: shared memory available to one block, in bytes (opt-in maximum).
-        triton_backend: Triton's target backend (``"cuda"``, ``"hip"``, ``"corex"``, ``"interpreter"``), or
-            None when Triton is not installed or has no driver for this device.
+        capability: ``(major, minor)`` as reported ((0, 0) when the device type has none).
+        warp_size: threads per warp (64 on Iluvatar and AMD CDNA); 0 in a description means not reported.
+        num_sms: streaming multiprocessors / compute units (1 when not reported).
+        max_shared_mem: shared memory available to one block, in bytes (opt-in maximum); 0 in a
+            description means not reported.
+        triton_backend: the target of Triton's active driver for this device (``"cuda"``, ``"hip"``,
+            ``"xpu"``, ``"corex"``...), ``"interpreter"`` for the CPU under ``TRITON_INTERPRET=1``, or None
+            when Triton is not installed or its active driver does not serve this device.
     """
 
     type: str
@@ -62,6 +76,10 @@ class DeviceInfo:
     def torch_device(self) -> torch.device:
         return torch.device(self.type, self.index) if self.index is not None else torch.device(self.type)
 
+    def replace(self, **changes) -> DeviceInfo:
+        """A copy with ``changes`` applied (what a detection hook returns after recognising a device)."""
+        return dataclasses.replace(self, **changes)
+
     def describe(self) -> str:
         """One line for humans, as ``pagedprefill info`` prints it."""
         parts = [f"{self.name} ({self.torch_device})", f"vendor={self.vendor}"]
@@ -73,21 +91,41 @@ class DeviceInfo:
 
     @classmethod
     def detect(cls, device: DeviceLike = None) -> DeviceInfo:
-        """Describe ``device`` (default: the current CUDA device if there is one, else the CPU)."""
-        return _detect(_normalise(device))
+        """Describe ``device`` (default: the current accelerator if there is one, else the CPU).
+
+        Asks the installed backends' ``pagedprefill_detect_device`` hooks through the process-wide registry.
+        """
+        from .api import get_registry  # the registry imports this module
+
+        return get_registry().detect_device(normalise(device))
 
 
-def _normalise(device: DeviceLike) -> torch.device:
+def normalise(device: DeviceLike) -> torch.device:
+    """``device`` as a torch device with its index filled in (an int means an index of the accelerator)."""
+    if isinstance(device, int):  # an index of the accelerator (of CUDA's, as torch reads it, when none)
+        return torch.device(current_accelerator_type() or "cuda", device)
     if device is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-    if isinstance(device, int):
-        return torch.device("cuda", device)
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
+        accel = current_accelerator_type()
+        return _with_index(torch.device(accel)) if accel is not None else torch.device("cpu")
+    return _with_index(torch.device(device))
+
+
+def current_accelerator_type() -> Optional[str]:
+    """The device type of torch's current accelerator (``"cuda"``, ``"xpu"``...), or None if there is none."""
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    if accelerator is not None:
+        current = accelerator.current_accelerator()
+        return current.type if current is not None and accelerator.is_available() else None
+    return "cuda" if torch.cuda.is_available() else None
+
+
+def _with_index(device: torch.device) -> torch.device:
+    if device.type == "cpu" or device.index is not None:
+        return device
+    try:
+        return torch.device(device.type, torch.get_device_module(device.type).current_device())
+    except Exception:  # a type without a runtime here, or without a notion of current device
+        return device
 
 
 def interpreter_enabled() -> bool:
@@ -101,58 +139,84 @@ def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-@functools.cache
-def _detect(device: torch.device) -> DeviceInfo:
+def vendor_override() -> Optional[str]:
+    """The vendor named by ``PAGEDPREFILL_VENDOR`` (lower case), or None."""
+    value = os.environ.get(ENV_VENDOR, "").strip().lower()
+    return value or None
+
+
+def general_info(device: torch.device) -> DeviceInfo:
+    """What torch and Triton report about ``device``, with no vendor's rules (step 1 of detection)."""
     if device.type == "cpu":
-        backend = "interpreter" if interpreter_enabled() and triton_installed() else None
         import platform
 
+        backend = "interpreter" if interpreter_enabled() and triton_installed() else None
         return DeviceInfo(type="cpu", vendor="cpu", name=platform.processor() or platform.machine() or "cpu",
                           triton_backend=backend)
-    if device.type == "cuda":
-        return _detect_cuda(device)
-    return DeviceInfo(type=device.type, index=device.index, vendor=device.type, name=str(device))
-
-
-def _cuda_vendor(name: str) -> str:
-    override = os.environ.get("PAGEDPREFILL_VENDOR")
-    if override:
-        return override.strip().lower()
-    if getattr(torch.version, "hip", None):
-        return "amd"
-    if name.lower().startswith("iluvatar") or "+corex" in torch.__version__ or hasattr(torch, "corex"):
-        return "iluvatar"
-    if "metax" in name.lower():
-        return "metax"
-    return "nvidia"
-
-
-def _detect_cuda(device: torch.device) -> DeviceInfo:
-    props = torch.cuda.get_device_properties(device)
-    vendor = _cuda_vendor(props.name)
-    warp = int(getattr(props, "warp_size", 0) or (64 if vendor in ("iluvatar", "amd") else 32))
+    props = _torch_properties(device)
+    # torch's own view of its ``cuda`` type: a ROCm build runs AMD GPUs, a CUDA build NVIDIA's (parts of
+    # other vendors that present themselves as ``cuda`` are recognised by their backend's hook).
+    vendor = ("amd" if _is_hip(device.type) else "nvidia") if device.type == "cuda" else device.type
+    capability = (int(getattr(props, "major", 0) or 0), int(getattr(props, "minor", 0) or 0))
+    warp = int(getattr(props, "warp_size", 0) or 0)
     smem = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
-    num_sms = int(props.multi_processor_count)
+    sms = int(getattr(props, "multi_processor_count", 0) or 0)
     backend = None
     if triton_installed() and not interpreter_enabled():
-        backend, tprops = _triton_view(device.index)
-        smem = int(tprops.get("max_shared_mem", 0)) or smem
-        warp = int(tprops.get("warpSize", 0)) or warp
-    if not smem:
-        smem = DEFAULT_SHARED_MEM.get(vendor, 48 * 1024)
-    return DeviceInfo(type="cuda", index=device.index, vendor=vendor, name=props.name,
-                      capability=(props.major, props.minor), warp_size=warp, num_sms=num_sms,
-                      max_shared_mem=smem, triton_backend=backend)
+        backend, tprops = _triton_view(device)
+        smem = int(tprops.get("max_shared_mem", 0) or 0) or smem
+        warp = int(tprops.get("warpSize", 0) or 0) or warp
+        sms = sms or int(tprops.get("multiprocessor_count", 0) or 0)
+    return DeviceInfo(type=device.type, index=device.index, vendor=vendor,
+                      name=str(getattr(props, "name", "") or device), capability=capability, warp_size=warp,
+                      num_sms=max(1, sms), max_shared_mem=smem, triton_backend=backend)
 
 
-def _triton_view(index: int) -> tuple[Optional[str], dict]:
-    """Triton's own view of the device: target backend name and its device properties (best effort)."""
+def fill_defaults(info: DeviceInfo) -> DeviceInfo:
+    """``info`` with conservative values where nothing reported one (step 3 of detection)."""
+    if info.type == "cpu":
+        return info
+    hip = _is_hip(info.type)
+    changes = {}
+    if info.warp_size <= 0:
+        changes["warp_size"] = 64 if hip else 32
+    if info.max_shared_mem <= 0:
+        changes["max_shared_mem"] = FALLBACK_SHARED_MEM_HIP if hip else FALLBACK_SHARED_MEM
+    return info.replace(**changes) if changes else info
+
+
+def _is_hip(device_type: str) -> bool:
+    """A ``cuda`` device of a ROCm build of torch."""
+    return device_type == "cuda" and bool(getattr(torch.version, "hip", None))
+
+
+def _torch_properties(device: torch.device) -> object:
+    """torch's device properties of ``device`` through its device module (None if torch cannot tell)."""
+    try:
+        module = torch.get_device_module(device.type)
+        return module.get_device_properties(device.index if device.index is not None else 0)
+    except Exception:  # no runtime for this type in this build, or no such call
+        return None
+
+
+def _triton_view(device: torch.device) -> tuple[Optional[str], dict]:
+    """Triton's active driver's view of ``device``: its target backend and device properties (best effort).
+
+    The driver serves one device type; when it can say which (``get_active_torch_device``, Triton >= 3.2)
+    and that is not ``device``'s type, Triton cannot run on ``device``.
+    """
     try:
         from triton.runtime import driver
 
         active = driver.active
+        serves = getattr(active, "get_active_torch_device", None)
+        if serves is not None and serves().type != device.type:
+            return None, {}
         target = active.get_current_target()
-        props = active.utils.get_device_properties(index)
-        return str(target.backend), dict(props)
-    except Exception:  # no driver for this device, or an older Triton without these calls
+        try:
+            props = dict(active.utils.get_device_properties(device.index or 0))
+        except Exception:  # a driver without this call still tells its target
+            props = {}
+        return str(target.backend), props
+    except Exception:  # no driver for this machine, or an older Triton without these calls
         return None, {}

@@ -83,13 +83,14 @@ def tune(backend_name: str, head_sizes, dtypes, workloads, device: torch.device,
 
 
 def cmd_tune(args) -> int:
-    from .device import DeviceInfo
+    from .device import DeviceInfo, current_accelerator_type
     from .tuning import load_table, save_table, user_table_path
 
-    if not torch.cuda.is_available():
-        print("pagedprefill tune: needs a GPU; none is visible", file=sys.stderr)
+    accel = current_accelerator_type()
+    if accel is None:
+        print("pagedprefill tune: needs an accelerator; none is visible", file=sys.stderr)
         return 2
-    device = torch.device(args.device or "cuda")
+    device = torch.device(args.device or accel)
     info = DeviceInfo.detect(device)
     t0 = time.time()
     path = user_table_path(args.backend, info) if args.out is None else Path(args.out)

@@ -55,9 +55,21 @@ def load_table(path: Path) -> dict[str, TileConfig]:
     return _load(str(path))
 
 
+#: Counts :func:`forget_tables` calls, so that what was decided from the tables read so far can be told apart.
+_generation = 0
+
+
 def forget_tables() -> None:
     """Drop the tables read so far (after a table file was written by another process)."""
+    global _generation
     _load.cache_clear()
+    _generation += 1
+
+
+def tables_state() -> tuple:
+    """Changes whenever a policy reading tables could decide differently: a table was written or forgotten,
+    or ``PAGEDPREFILL_TUNE_DIR`` names another directory. Part of the key under which tiles are remembered."""
+    return _generation, os.environ.get(ENV_TABLE_DIR)
 
 
 def lookup(key: str, *tables: dict[str, TileConfig]) -> Optional[TileConfig]:

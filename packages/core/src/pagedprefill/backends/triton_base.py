@@ -7,6 +7,7 @@ import functools
 from ..device import DeviceInfo, interpreter_enabled, triton_installed
 from ..registry import Backend, UnsupportedFeatureError
 from ..tiling import ProblemShape, TileConfig
+from ..tuning import tables_state
 from ..types import PrefillProblem
 
 
@@ -55,11 +56,15 @@ class TritonBackend(Backend):
 
     @functools.cached_property
     def _policy_memo(self):
-        return functools.lru_cache(maxsize=1024)(self.policy)
+        def decide(shape: ProblemShape, device: DeviceInfo, tables: tuple) -> TileConfig:
+            return self.policy(shape, device)
+
+        return functools.lru_cache(maxsize=1024)(decide)
 
     def tile_config(self, shape: ProblemShape, device: DeviceInfo) -> TileConfig:
-        """The policy's tile, remembered per (shape, device): no policy work on repeated launches."""
-        return self._policy_memo(shape, device)
+        """The policy's tile, remembered per (shape, device, tuned tables): no policy work on repeated launches,
+        and a table written by ``pagedprefill tune`` (or forgotten) is used from the next launch on."""
+        return self._policy_memo(shape, device, tables_state())
 
     def check_problem(self, problem: PrefillProblem, device: DeviceInfo) -> None:
         """Refuse a problem whose smallest tile cannot fit the device's shared memory."""

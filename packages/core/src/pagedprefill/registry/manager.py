@@ -1,4 +1,4 @@
-"""Backend discovery (pluggy + entry points) and selection.
+"""Backend discovery (pluggy + entry points), device detection through the plugins, and selection.
 
 Selection rules, in order:
 
@@ -23,8 +23,9 @@ from importlib import metadata
 from typing import Iterable, Optional, Union
 
 import pluggy
+import torch
 
-from ..device import DeviceInfo, interpreter_enabled
+from ..device import DeviceInfo, fill_defaults, general_info, interpreter_enabled, vendor_override
 from . import hookspecs
 from .backend import Backend, BackendUnavailableError
 
@@ -59,6 +60,7 @@ class Registry:
         self._load_errors: dict[str, str] = {}
         self._backends: Optional[dict[str, Backend]] = None
         self._selected: dict[tuple, Backend] = {}
+        self._detected: dict[tuple, DeviceInfo] = {}
         self._lock = threading.Lock()
         for plugin in builtins:
             self._pm.register(plugin)
@@ -81,6 +83,7 @@ class Registry:
         self._pm.register(plugin, name=name)
         self._backends = None
         self._selected.clear()
+        self._detected.clear()
 
     @property
     def load_errors(self) -> dict[str, str]:
@@ -126,6 +129,42 @@ class Registry:
             for name, info in result.items():
                 found.setdefault(name.lower(), info)
         return found
+
+    # -- detection -------------------------------------------------------------------------------
+    def detect_device(self, device: torch.device) -> DeviceInfo:
+        """Describe ``device``: torch's and Triton's general view, refined by the first plugin whose
+        ``pagedprefill_detect_device`` hook recognises it, then general defaults for what is still unknown.
+
+        Cached per device, ``PAGEDPREFILL_VENDOR`` and ``TRITON_INTERPRET`` (a change of either detects again).
+        """
+        override = vendor_override()
+        key = (device, override, interpreter_enabled())
+        info = self._detected.get(key)
+        if info is None:
+            info = self._detect_uncached(device, override)
+            self._detected[key] = info
+        return info
+
+    def _detect_uncached(self, device: torch.device, override: Optional[str]) -> DeviceInfo:
+        info = general_info(device)
+        if override and device.type != "cpu":
+            info = info.replace(vendor=override)
+        # Each hook on its own, in pluggy's calling order, so that one that raises is recorded against its
+        # plugin and the others still answer (the first answer wins, as the hookspec's firstresult says).
+        for impl in reversed(self._pm.hook.pagedprefill_detect_device.get_hookimpls()):
+            kwargs = {"device": device, "info": info}
+            try:
+                found = impl.function(*[kwargs[name] for name in impl.argnames])
+            except Exception as exc:
+                self._load_errors[impl.plugin_name] = f"pagedprefill_detect_device raised {type(exc).__name__}: {exc}"
+                self._load_errors[impl.plugin_name + ":traceback"] = traceback.format_exc()
+                continue
+            if found is not None:
+                info = found
+                break
+        if override and device.type != "cpu":
+            info = info.replace(vendor=override)
+        return fill_defaults(info)
 
     def get(self, name: str) -> Backend:
         """The backend called ``name``; raises with the known names (and load errors) if there is none."""

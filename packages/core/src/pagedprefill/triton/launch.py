@@ -4,18 +4,31 @@ No device-to-host synchronisation and no allocation: the grid comes from tensor 
 (``num_tokens // tokens_per_tile + num_seqs`` tiles, programs past their sequence's end exit at once),
 scales given as tensors are read on the device, and the launch happens on the tensors' device whatever the
 current device is.
+
+Two ways to launch:
+
+* :func:`launch_prefill` goes through Triton's JIT (binding and specialising every argument on every call);
+  it compiles on first use and works everywhere, the interpreter included.
+* :class:`BoundLaunch` holds the compiled kernel of one specialisation and launches it directly. The
+  dispatch keeps one per call signature (every shape, stride, dtype and scalar that decides the
+  specialisation), so a serving engine's repeated calls pay for neither binding nor re-deriving arguments.
 """
 
 from __future__ import annotations
 
-import contextlib
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import triton
 
+from ..accelerator import device_guard
 from ..tiling import TileConfig, padded_head_size
 from ..types import KVLayout, PrefillProblem
 from .kernel import prefix_prefill_kernel
+
+#: Largest finite FP8 e4m3 value: a quantised output saturates there.
+FP8_E4M3_MAX = 448.0
 
 
 def _vector_alignment(strides, unit: int, element_size: int) -> int:
@@ -60,9 +73,49 @@ def _scale_arg(scale, fp8: bool, fallback: torch.Tensor):
     return float(scale), fallback, False
 
 
-def kernel_call(problem: PrefillProblem, config: TileConfig):
-    """``(grid, positional arguments, keyword arguments)`` of the kernel launch for ``problem``, or None when
-    there is nothing to launch. The keyword arguments hold the constexprs and the compile options."""
+@dataclass(frozen=True)
+class KernelCall:
+    """One launch of the kernel: grid, the tensor arguments, the scalar arguments, constexprs and options.
+
+    ``tensors`` come first in the kernel's signature, then ``scalars``, then the constexprs; a launch passes
+    ``*tensors, *scalars`` positionally and ``constexprs`` plus ``options`` (warps, stages) by keyword.
+    """
+
+    grid: tuple[int, int]
+    tensors: tuple
+    scalars: tuple
+    constexprs: dict
+    options: dict
+
+    @property
+    def args(self) -> tuple:
+        return self.tensors + self.scalars
+
+    @property
+    def kwargs(self) -> dict:
+        return {**self.constexprs, **self.options}
+
+
+def call_tensors(p: PrefillProblem) -> tuple:
+    """The kernel's tensor arguments for ``p``, in signature order (placeholders where a feature is off).
+
+    The one definition of that order: :func:`kernel_call` builds on it and :class:`BoundLaunch` receives it
+    on every call, so it does no more than read attributes.
+    """
+    q, c, o = p.q, p.cache, p.options
+    k, v = (q, q) if p.k is None else (p.k, p.v)
+    fp8 = c.dtype.is_fp8
+    k_scale = c.k_scale if fp8 and isinstance(c.k_scale, torch.Tensor) else q
+    v_scale = c.v_scale if fp8 and isinstance(c.v_scale, torch.Tensor) else q
+    out_scale = getattr(o, "fp8_out_scale", None)
+    b = p.batch
+    return (q, k, v, p.out, c.key, c.value, b.block_table, b.query_start, b.seq_lens, b.context_lens,
+            q if o.alibi_slopes is None else o.alibi_slopes, q if o.sinks is None else o.sinks,
+            k_scale, v_scale, out_scale if isinstance(out_scale, torch.Tensor) else q)
+
+
+def kernel_call(problem: PrefillProblem, config: TileConfig) -> Optional[KernelCall]:
+    """The kernel launch that computes ``problem`` with ``config``, or None when there is nothing to do."""
     p = problem
     q, out = p.q, p.out
     T, H, D = q.shape
@@ -76,43 +129,40 @@ def kernel_call(problem: PrefillProblem, config: TileConfig):
     d_pad = padded_head_size(D)
     key, value, x, ks, vs, k_align, v_align = _cache_geometry(p, d_pad)
     fp8 = p.cache.dtype.is_fp8
-    k_scale, k_scale_ptr, k_from_ptr = _scale_arg(p.cache.k_scale, fp8, q)
-    v_scale, v_scale_ptr, v_from_ptr = _scale_arg(p.cache.v_scale, fp8, q)
+    k_scale, _, k_from_ptr = _scale_arg(p.cache.k_scale, fp8, q)
+    v_scale, _, v_from_ptr = _scale_arg(p.cache.v_scale, fp8, q)
     opts = p.options
     causal = getattr(opts, "causal", True)
     skip_decode = getattr(opts, "skip_decode", False)
     out_scale = getattr(opts, "fp8_out_scale", None)
     new_kv_in_cache = p.k is None
     table = p.batch.block_table
-    grid = (T // tokens_per_tile + B, p.num_kv_heads * head_chunks)
     bs = p.cache.block_size
     pagewise = config.pagewise and bs & (bs - 1) == 0 and (config.block_n % bs == 0 or bs % config.block_n == 0)
     new_strides = (0, 0, 0, 0) if new_kv_in_cache else (p.k.stride(0), p.k.stride(1), p.v.stride(0), p.v.stride(1))
-    args = (
-            q, q if new_kv_in_cache else p.k, q if new_kv_in_cache else p.v, out, key, value, table,
-            p.batch.query_start, p.batch.seq_lens, p.batch.context_lens,
-            opts.alibi_slopes if opts.alibi_slopes is not None else q,
-            opts.sinks if opts.sinks is not None else q,
-            k_scale_ptr, v_scale_ptr, out_scale if out_scale is not None else q,
-            p.sm_scale, k_scale, v_scale, float(opts.softcap), opts.window,
-            B, T, p.cache.num_blocks, table.shape[1], p.cache.block_size, group,
-            q.stride(0), q.stride(1), *new_strides,
-            out.stride(0), out.stride(1),
-            *ks, *vs,
-            table.stride(0), table.stride(1))
-    kwargs = dict(
-            HEAD_SIZE=D, HEAD_SIZE_PADDED=d_pad, X=x,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEADS_PER_TILE=heads_per_tile,
-            HEAD_CHUNKS=head_chunks, SPLIT_MASKS=config.split_masks, WINDOW=opts.window > 0,
-            SOFTCAP=opts.softcap > 0, ALIBI=opts.alibi_slopes is not None, SINKS=opts.sinks is not None,
-            K_SCALE_PTR=k_from_ptr, V_SCALE_PTR=v_from_ptr, PAGE_SIZE=bs if pagewise else 0,
-            SPLIT_CACHE=p.cache.layout is KVLayout.SPLIT, K_ALIGN=k_align, V_ALIGN=v_align,
-            CAUSAL=causal, SKIP_DECODE=skip_decode, NEW_KV_IN_CACHE=new_kv_in_cache,
-            OUT_SCALE=out_scale is not None, OUT_MAX=448.0,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )
-    return grid, args, kwargs
+    tensors = call_tensors(p)
+    tensors = tensors[:4] + (key, value) + tensors[6:]  # FP8 bytes as float8: the kernel converts them
+    scalars = (
+        p.sm_scale, k_scale, v_scale, float(opts.softcap), opts.window,
+        B, T, p.cache.num_blocks, table.shape[1], bs, group,
+        q.stride(0), q.stride(1), *new_strides, out.stride(0), out.stride(1),
+        *ks, *vs,
+        table.stride(0), table.stride(1),
+    )
+    constexprs = dict(
+        HEAD_SIZE=D, HEAD_SIZE_PADDED=d_pad, X=x,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEADS_PER_TILE=heads_per_tile,
+        HEAD_CHUNKS=head_chunks, SPLIT_MASKS=config.split_masks, WINDOW=opts.window > 0,
+        SOFTCAP=opts.softcap > 0, ALIBI=opts.alibi_slopes is not None, SINKS=opts.sinks is not None,
+        K_SCALE_PTR=k_from_ptr, V_SCALE_PTR=v_from_ptr, PAGE_SIZE=bs if pagewise else 0,
+        SPLIT_CACHE=p.cache.layout is KVLayout.SPLIT, K_ALIGN=k_align, V_ALIGN=v_align,
+        CAUSAL=causal, SKIP_DECODE=skip_decode, NEW_KV_IN_CACHE=new_kv_in_cache,
+        OUT_SCALE=out_scale is not None, OUT_MAX=FP8_E4M3_MAX,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    grid = (T // tokens_per_tile + B, p.num_kv_heads * head_chunks)
+    return KernelCall(grid, tensors, scalars, constexprs, options)
 
 
 def launch_prefill(problem: PrefillProblem, config: TileConfig):
@@ -124,8 +174,62 @@ def launch_prefill(problem: PrefillProblem, config: TileConfig):
     call = kernel_call(problem, config)
     if call is None:
         return None
-    grid, args, kwargs = call
-    q = problem.q
-    device_ctx = torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
-    with device_ctx:
-        return prefix_prefill_kernel[grid](*args, **kwargs)
+    with device_guard(problem.q.device):
+        return prefix_prefill_kernel[call.grid](*call.args, **call.kwargs)
+
+
+def _aligned16(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0
+
+
+class BoundLaunch:
+    """A compiled specialisation of the kernel, launched without Triton's per-call argument binding.
+
+    Built from one :class:`KernelCall` after Triton compiled it; valid for any later problem with the same
+    call signature (shapes, strides, dtypes, scalars, options) whose tensors are 16-byte aligned like the
+    first one's, which :meth:`__call__` checks (it returns False and launches nothing otherwise).
+    """
+
+    __slots__ = ("_run", "_function", "_metadata", "_grid", "_tail", "_aligned", "_device_index", "_stream")
+
+    def __init__(self, compiled: Any, call: KernelCall, device: torch.device):
+        from triton.runtime import driver
+
+        self._run = compiled.run
+        self._function = compiled.function
+        self._metadata = compiled.packed_metadata
+        self._grid = call.grid
+        # Constexprs are passed positionally too: the launcher skips them by the kernel's signature.
+        names = prefix_prefill_kernel.arg_names
+        n = len(call.tensors) + len(call.scalars)
+        self._tail = call.scalars + tuple(call.constexprs[name] for name in names[n:])
+        self._aligned = tuple(_aligned16(t) for t in call.tensors)
+        self._device_index = device.index if device.index is not None else torch.cuda.current_device()
+        self._stream = driver.active.get_current_stream
+
+    def __call__(self, tensors: tuple) -> bool:
+        """Launch with ``tensors`` (:func:`call_tensors` of a problem with this signature) on the current
+        stream of the device it was compiled for; False, launching nothing, when that is not possible."""
+        if torch.cuda.current_device() != self._device_index:
+            return False
+        for t, was in zip(tensors, self._aligned):
+            if was and t.data_ptr() % 16:
+                return False  # the compiled code assumes 16-byte alignment this tensor lacks
+        g0, g1 = self._grid
+        self._run(g0, g1, 1, self._stream(self._device_index), self._function, self._metadata, None, None, None,
+                  *tensors, *self._tail)
+        return True
+
+
+def bind_launch(problem: PrefillProblem, config: TileConfig) -> Optional[BoundLaunch]:
+    """Launch ``problem`` through Triton's JIT (compiling on first use) and return a :class:`BoundLaunch` for
+    later calls with the same signature; None when there was nothing to launch or no GPU driver runs it."""
+    call = kernel_call(problem, config)
+    if call is None:
+        return None
+    device = problem.q.device
+    with device_guard(device):
+        compiled = prefix_prefill_kernel[call.grid](*call.args, **call.kwargs)
+    if device.type != "cuda" or not hasattr(compiled, "packed_metadata"):
+        return None  # the interpreter and other drivers keep the JIT path
+    return BoundLaunch(compiled, call, device)
