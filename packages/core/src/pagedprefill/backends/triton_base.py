@@ -40,7 +40,8 @@ class TritonBackend(Backend):
 
     def supports(self, device: DeviceInfo) -> list[str]:
         if not triton_installed():
-            return ["Triton is not installed (pip install 'pagedprefill[triton]')"]
+            return ["Triton is not installed (pip install triton, or pip install \"./packages/core[triton]\" from "
+                    "the repository)"]
         if device.type == "cpu":
             if not self.runs_in_interpreter:
                 return ["runs on GPUs only, not on the CPU"]
