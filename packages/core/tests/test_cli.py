@@ -184,3 +184,47 @@ def test_describe_says_why_triton_has_no_target(monkeypatch):
     assert other.describe().endswith(", triton=none (Triton is installed but has no driver for xpu)")
     interpreted = DeviceInfo(type="cpu", vendor="cpu", name="test cpu", triton_backend="interpreter")
     assert interpreted.describe() == "test cpu (cpu), vendor=cpu, triton=interpreter"
+
+
+HIDE_NUMPY = '''
+import sys
+
+
+class _HideNumpy:
+    """Import hook: numpy is absent, as after `pip install ./packages/core` (the reference-only install)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy" or name.startswith("numpy."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
+sys.meta_path.insert(0, _HideNumpy())
+'''
+
+
+@pytest.fixture(scope="module")
+def without_numpy(tmp_path_factory) -> dict:
+    """An environment whose interpreters cannot import numpy (through a sitecustomize import hook)."""
+    site = tmp_path_factory.mktemp("no_numpy")
+    (site / "sitecustomize.py").write_text(HIDE_NUMPY)
+    env = {k: v for k, v in os.environ.items() if k not in SELECTION_ENV}
+    env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")])])
+    probe = subprocess.run([sys.executable, "-c", "import numpy"], capture_output=True, text=True, env=env,
+                           timeout=TIMEOUT)
+    assert probe.returncode != 0 and "No module named 'numpy'" in probe.stderr, "numpy is not hidden"
+    return env
+
+
+@pytest.mark.parametrize("args", [["-c", "import pagedprefill"], ["-m", "pagedprefill", "info", "--device", "cpu"]],
+                         ids=["import", "info"])
+def test_no_numpy_warning_without_numpy(without_numpy, args):
+    """Without numpy, importing pagedprefill and running the command print no NumPy warning, even with every
+    UserWarning shown (the reference-only install needs no numpy)."""
+    control = subprocess.run([sys.executable, "-W", "always::UserWarning", "-c", "import torch"],
+                             capture_output=True, text=True, env=without_numpy, timeout=TIMEOUT)
+    if "Failed to initialize NumPy" not in control.stderr:
+        pytest.skip(f"torch {torch.__version__} does not warn when numpy is missing: nothing to silence")
+    proc = subprocess.run([sys.executable, "-W", "always::UserWarning", *args], capture_output=True, text=True,
+                          env=without_numpy, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "NumPy" not in proc.stderr, proc.stderr
