@@ -8,6 +8,8 @@ Each case builds a valid random problem, breaks exactly one thing, and calls
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -69,6 +71,17 @@ def call_native(a: dict, validate="full"):
 
 
 CALLS = {"drop_in": call_drop_in, "native": call_native}
+
+#: The drop-in's argument names and the native API's names for the same arguments.
+NATIVE_NAMES = {"o": "out", "b_loc": "block_table", "b_start_loc": "query_start", "b_seq_len": "seq_lens",
+                "b_ctx_len": "context_lens", "max_input_len": "max_query_len"}
+
+
+def as_written(text: str, api: str) -> str:
+    """``text`` (written with the drop-in's names) with the argument names the caller of ``api`` wrote."""
+    if api == "drop_in":
+        return text
+    return re.sub(r"\b(" + "|".join(NATIVE_NAMES) + r")\b", lambda m: NATIVE_NAMES[m.group(1)], text)
 
 
 @dataclass(frozen=True)
@@ -436,9 +449,10 @@ def test_bad_input_is_rejected(case: Bad, api: str):
         CALLS[api](a)
     assert type(info.value) is case.exc
     message = str(info.value)
-    arg = "o" if case.arg == "out" and api == "drop_in" else case.arg  # each API names its own argument
+    arg = "o" if case.arg == "out" and api == "drop_in" else as_written(case.arg, api)  # as each caller wrote it
     assert message.startswith(f"{arg}:"), message
     for part in case.parts:
+        part = as_written(part, api)
         assert part in message, f"{part!r} not in {message!r}"
     _assert_untouched(a, before)
 
@@ -463,7 +477,7 @@ def test_validate_problem_direct():
                                                 p.batch.block_table, p.batch.max_query_len))
     pp.validate_problem(broken, "basic")
     pp.validate_problem(broken)  # "basic" is the default
-    with pytest.raises(ValueError, match=r"^b_ctx_len: expected values >= 0, got -1 for sequence 3$"):
+    with pytest.raises(ValueError, match=r"^context_lens: expected values >= 0, got -1 for sequence 3$"):
         pp.validate_problem(broken, "full")
     pp.validate_problem(p, "full")
 
@@ -503,3 +517,61 @@ def test_kv_cache_dtype_parse():
         parse("int8")
     with pytest.raises(TypeError, match=r"^kv_cache_dtype: expected a str .*, got int$"):
         parse(8)
+
+
+def _native_parts(spec: BatchSpec = NHD):
+    """q, k, v, cache and the per-sequence lengths and table of a valid native call."""
+    p = make_problem(spec)
+    b = p.batch
+    query_lens = (b.seq_lens - b.context_lens).tolist()
+    return p, query_lens, b.context_lens.tolist(), b.block_table
+
+
+def test_from_lengths_refuses_lengths_of_different_counts():
+    _, _, _, table = _native_parts()
+    with pytest.raises(ValueError, match=r"^context_lens: expected one length per sequence, as many as query_lens "
+                                         r"\(2\), got 3$"):
+        pp.BatchMetadata.from_lengths([5, 1], [40, 17, 0], table[:2])
+    with pytest.raises(ValueError, match=r"^context_lens: .* as many as query_lens \(3\), got 2$"):
+        pp.BatchMetadata.from_lengths([5, 1, 4], [40, 17], table[:3])
+
+
+def test_from_lengths_refuses_a_block_table_that_is_not_a_tensor():
+    with pytest.raises(TypeError, match=r"^block_table: expected a torch.Tensor, got list$"):
+        pp.BatchMetadata.from_lengths([5, 1], [40, 17], [[0, 1], [2, 3]])
+
+
+def test_native_errors_name_the_native_arguments():
+    """A native caller wrote block_table, query_start, max_query_len...: errors use those names, not the
+    drop-in's b_loc, b_start_loc, max_input_len."""
+    p, query_lens, context_lens, table = _native_parts()
+    batch = pp.BatchMetadata.from_lengths(query_lens, context_lens, table.float())
+    with pytest.raises(TypeError, match=r"^block_table: expected dtype int32 or int64, got float32$"):
+        pp.prefill_attention(p.q, p.k, p.v, p.cache, batch, backend="reference")
+    good = pp.BatchMetadata.from_lengths(query_lens, context_lens, table)
+    checks = [
+        (dataclasses.replace(good, max_query_len=1), ValueError, r"^max_query_len: expected >= the longest query"),
+        (dataclasses.replace(good, query_start=good.query_start[:2]), ValueError, r"^query_start: expected shape"),
+        (dataclasses.replace(good, context_lens=good.context_lens.float()), TypeError, r"^context_lens: expected"),
+        (dataclasses.replace(good, seq_lens=good.seq_lens - 100), ValueError,
+         r"^seq_lens: expected seq_lens >= context_lens, got"),
+    ]
+    for batch, exc, pattern in checks:
+        with pytest.raises(exc, match=pattern):
+            pp.prefill_attention(p.q, p.k, p.v, p.cache, batch, backend="reference", validate="full")
+
+
+def test_custom_operator_errors_name_its_arguments():
+    """The operators' arguments are called block_table, query_start...: errors say so too."""
+    p = make_problem(NHD)
+    b = p.batch
+    with pytest.raises(TypeError, match=r"^block_table: expected dtype int32 or int64, got float32$"):
+        torch.ops.pagedprefill.prefill_attention(p.q, p.k, p.v, p.cache.key, p.cache.value, b.block_table.float(),
+                                                 b.query_start, b.seq_lens, b.context_lens, backend="reference")
+
+
+def test_drop_in_errors_keep_the_drop_in_names():
+    a = drop_in_args(make_problem(NHD))
+    a["b_loc"] = a["b_loc"].float()
+    with pytest.raises(TypeError, match=r"^b_loc: expected dtype int32 or int64, got float32$"):
+        call_drop_in(a)
