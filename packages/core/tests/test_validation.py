@@ -123,6 +123,8 @@ def both_caches(make):
     return puts(k_cache=lambda a: make(a["k_cache"]), v_cache=lambda a: make(a["v_cache"]))
 
 
+#: A dtype spelled the second way; messages spell dtypes one way, without ``torch.`` (see ``dtype_name``).
+TORCH_DTYPE = re.compile(r"torch\.(u?int|float|bfloat|bool|complex)")
 FLOATS = "float16 or bfloat16 or float32"
 INTS = "int32 or int64"
 
@@ -148,11 +150,11 @@ CASES = [
     Bad("q_int", NHD, puts(**{n: (lambda a, n=n: a[n].to(torch.int32)) for n in ("q", "k", "v", "o")}),
         TypeError, "q", (f"expected dtype {FLOATS}", "got int32")),
     Bad("k_dtype", NHD, put("k", lambda a: a["k"].float()), TypeError, "k",
-        ("expected dtype torch.float16 (the dtype of q)", "got torch.float32")),
+        ("expected dtype float16 (the dtype of q)", "got float32")),
     Bad("v_dtype", NHD, put("v", lambda a: a["v"].bfloat16()), TypeError, "v",
-        ("expected dtype torch.float16 (the dtype of q)", "got torch.bfloat16")),
+        ("expected dtype float16 (the dtype of q)", "got bfloat16")),
     Bad("out_dtype", NHD, put("o", lambda a: a["o"].float()), TypeError, "out",
-        ("expected dtype torch.float16 (the dtype of q)", "got torch.float32")),
+        ("expected dtype float16 (the dtype of q)", "got float32")),
     Bad("k_device", NHD, put("k", lambda a: meta(a["k"])), ValueError, "k",
         ("expected a tensor on cpu (the device of q)", "got one on meta")),
     Bad("v_device", NHD, put("v", lambda a: meta(a["v"])), ValueError, "v",
@@ -195,26 +197,26 @@ CASES = [
     Bad("v_cache_device", SPLIT, put("v_cache", lambda a: meta(a["v_cache"])), ValueError, "v_cache",
         ("expected a tensor on cpu", "got one on meta")),
     Bad("fp8_declared_fp16_cache", NHD, put("kv_cache_dtype", lambda a: "fp8"), TypeError, "k_cache",
-        ("expected dtype uint8 (or torch.float8_e4m3fn) for kv_cache_dtype='fp8_e4m3'", "got float16")),
+        ("expected dtype uint8 (or float8_e4m3fn) for kv_cache_dtype='fp8_e4m3'", "got float16")),
     Bad("e5m2_declared_e4m3_cache", FP8,
         puts(kv_cache_dtype=lambda a: "fp8_e5m2", k_cache=lambda a: a["k_cache"].view(torch.float8_e4m3fn),
              v_cache=lambda a: a["v_cache"].view(torch.float8_e4m3fn)),
-        TypeError, "k_cache", ("expected dtype uint8 (or torch.float8_e5m2) for kv_cache_dtype='fp8_e5m2'",
+        TypeError, "k_cache", ("expected dtype uint8 (or float8_e5m2) for kv_cache_dtype='fp8_e5m2'",
                                "got float8_e4m3fn")),
     Bad("auto_with_uint8_cache", FP8, put("kv_cache_dtype", lambda a: "auto"), TypeError, "k_cache",
-        ("torch.uint8 holds FP8 bytes", "kv_cache_dtype='auto' expects the model dtype torch.float16")),
+        ("uint8 holds FP8 bytes", "kv_cache_dtype='auto' expects the model dtype float16")),
     Bad("auto_with_uint8_cache_nhd", FP8_NHD, put("kv_cache_dtype", lambda a: "auto"), TypeError, "k_cache",
-        ("torch.uint8 holds FP8 bytes", "kv_cache_dtype='auto' expects the model dtype torch.float16")),
+        ("uint8 holds FP8 bytes", "kv_cache_dtype='auto' expects the model dtype float16")),
     Bad("auto_with_float8_cache", FP8,
         puts(kv_cache_dtype=lambda a: "auto", k_cache=lambda a: a["k_cache"].view(torch.float8_e4m3fn),
              v_cache=lambda a: a["v_cache"].view(torch.float8_e4m3fn)),
-        TypeError, "k_cache", ("torch.float8_e4m3fn holds FP8 bytes", "expects the model dtype torch.float16")),
+        TypeError, "k_cache", ("float8_e4m3fn holds FP8 bytes", "expects the model dtype float16")),
     Bad("auto_cache_dtype_differs_from_q", NHD, both_caches(lambda t: t.float()), TypeError, "k_cache",
-        ("expected dtype torch.float16 (the dtype of q, kv_cache_dtype='auto')", "got float32")),
+        ("expected dtype float16 (the dtype of q, kv_cache_dtype='auto')", "got float32")),
     Bad("v_cache_dtype_differs", NHD, put("v_cache", lambda a: a["v_cache"].float()), TypeError, "v_cache",
-        ("expected dtype torch.float16 (the dtype of k_cache)", "got torch.float32")),
+        ("expected dtype float16 (the dtype of k_cache)", "got float32")),
     Bad("fp8_v_cache_dtype_differs", FP8, put("v_cache", lambda a: a["v_cache"].view(torch.float8_e4m3fn)),
-        TypeError, "v_cache", ("expected dtype torch.uint8 (the dtype of k_cache)", "got torch.float8_e4m3fn")),
+        TypeError, "v_cache", ("expected dtype uint8 (the dtype of k_cache)", "got float8_e4m3fn")),
     Bad("split_forced_on_4d_key", NHD, put("_layout", lambda a: "split"), ValueError, "k_cache",
         ("expected a 5-D tensor [num_blocks, num_kv_heads, head_size // x, block_size, x] (split layout)",
          f"got shape [{NB}, {BS}, {HKV}, {D}]"), apis=("native",)),
@@ -454,6 +456,7 @@ def test_bad_input_is_rejected(case: Bad, api: str):
     for part in case.parts:
         part = as_written(part, api)
         assert part in message, f"{part!r} not in {message!r}"
+    assert not TORCH_DTYPE.search(message), f"dtypes are spelled without 'torch.': {message!r}"
     _assert_untouched(a, before)
 
 
@@ -575,3 +578,10 @@ def test_drop_in_errors_keep_the_drop_in_names():
     a["b_loc"] = a["b_loc"].float()
     with pytest.raises(TypeError, match=r"^b_loc: expected dtype int32 or int64, got float32$"):
         call_drop_in(a)
+
+
+def test_dtype_name_is_the_one_spelling_of_dtypes_in_messages():
+    from pagedprefill.validation import dtype_name
+
+    assert [dtype_name(d) for d in (torch.float16, torch.bfloat16, torch.int32, torch.uint8, torch.float8_e4m3fn)] \
+        == ["float16", "bfloat16", "int32", "uint8", "float8_e4m3fn"]

@@ -25,6 +25,7 @@ from .device import DeviceInfo
 from .registry import BackendUnavailableError
 from .testing.batches import BatchSpec, fresh_output, make_problem
 from .testing.cases import DEFAULT_TOLERANCES
+from .validation import dtype_name
 
 COMMANDS_GROUP = "pagedprefill.commands"
 
@@ -160,7 +161,7 @@ def cmd_demo(args) -> int:
     print(f"backend: {backend.name}")
     print(f"batch:   {len(spec.query_lens)} sequences, new tokens {list(spec.query_lens)}, cached "
           f"{list(spec.context_lens)}; q {tuple(problem.q.shape)}, heads {spec.num_heads}/{spec.num_kv_heads}, "
-          f"block size {spec.block_size}, {str(spec.dtype).replace('torch.', '')}")
+          f"block size {spec.block_size}, {dtype_name(spec.dtype)}")
     from .api import dispatch
 
     dispatch(problem, backend=backend, validate="full")  # warm-up (compiles kernels), checked below

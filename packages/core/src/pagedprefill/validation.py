@@ -48,6 +48,11 @@ DROP_IN_NAMES = ArgumentNames(out="o", block_table="b_loc", query_start="b_start
                               context_lens="b_ctx_len", max_query_len="max_input_len")
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """How messages spell a dtype: ``float16``, ``float8_e4m3fn``, ``int32`` (without ``torch.``)."""
+    return str(dtype).removeprefix("torch.")
+
+
 def _shape(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
@@ -65,8 +70,8 @@ def _expect_ndim(name: str, t: torch.Tensor, ndim: int, layout: str) -> None:
 
 def _expect_dtype(name: str, t: torch.Tensor, allowed: tuple, what: Optional[str] = None) -> None:
     if t.dtype not in allowed:
-        names = what or " or ".join(str(d).replace("torch.", "") for d in allowed)
-        raise TypeError(f"{name}: expected dtype {names}, got {str(t.dtype).replace('torch.', '')}")
+        names = what or " or ".join(dtype_name(d) for d in allowed)
+        raise TypeError(f"{name}: expected dtype {names}, got {dtype_name(t.dtype)}")
 
 
 def _expect_device(name: str, t: torch.Tensor, device: torch.device) -> None:
@@ -112,7 +117,7 @@ def _validate_tensors(p: PrefillProblem, out_name: str) -> None:
     _expect_dtype("q", q, FLOAT_DTYPES)
     for name, t in (("k", k), ("v", v), (out_name, out)):
         if t.dtype != q.dtype:
-            raise TypeError(f"{name}: expected dtype {q.dtype} (the dtype of q), got {t.dtype}")
+            raise TypeError(f"{name}: expected dtype {dtype_name(q.dtype)} (the dtype of q), got {dtype_name(t.dtype)}")
         _expect_device(name, t, q.device)
     T, H, D = q.shape
     if not 1 <= D <= MAX_HEAD_SIZE:
@@ -149,16 +154,18 @@ def _validate_cache(p: PrefillProblem) -> None:
     Hkv, D = p.num_kv_heads, p.head_size
     if c.dtype.is_fp8:
         allowed = (torch.uint8, c.dtype.torch_dtype)
-        _expect_dtype("k_cache", kc, allowed, f"uint8 (or {c.dtype.torch_dtype}) for kv_cache_dtype={c.dtype.value!r}")
+        _expect_dtype("k_cache", kc, allowed,
+                      f"uint8 (or {dtype_name(c.dtype.torch_dtype)}) for kv_cache_dtype={c.dtype.value!r}")
     else:
         if kc.dtype in (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2):
             raise TypeError(
-                f"k_cache: dtype {kc.dtype} holds FP8 bytes, but kv_cache_dtype='auto' expects the model dtype "
-                f"{p.q.dtype}; pass kv_cache_dtype='fp8_e4m3' or 'fp8_e5m2' with k_scale/v_scale"
+                f"k_cache: dtype {dtype_name(kc.dtype)} holds FP8 bytes, but kv_cache_dtype='auto' expects the model "
+                f"dtype {dtype_name(p.q.dtype)}; pass kv_cache_dtype='fp8_e4m3' or 'fp8_e5m2' with k_scale/v_scale"
             )
-        _expect_dtype("k_cache", kc, (p.q.dtype,), f"{p.q.dtype} (the dtype of q, kv_cache_dtype='auto')")
+        _expect_dtype("k_cache", kc, (p.q.dtype,), f"{dtype_name(p.q.dtype)} (the dtype of q, kv_cache_dtype='auto')")
     if vc.dtype != kc.dtype:
-        raise TypeError(f"v_cache: expected dtype {kc.dtype} (the dtype of k_cache), got {vc.dtype}")
+        raise TypeError(
+            f"v_cache: expected dtype {dtype_name(kc.dtype)} (the dtype of k_cache), got {dtype_name(vc.dtype)}")
     if c.layout is KVLayout.SPLIT:
         _expect_ndim("k_cache", kc, 5, "[num_blocks, num_kv_heads, head_size // x, block_size, x] (split layout)")
         _expect_ndim("v_cache", vc, 4, "[num_blocks, num_kv_heads, head_size, block_size] (split layout)")

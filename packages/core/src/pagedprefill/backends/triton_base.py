@@ -8,6 +8,7 @@ from ..device import DeviceInfo, interpreter_enabled, triton_installed
 from ..registry import Backend, UnsupportedFeatureError
 from ..tiling import ProblemShape, TileConfig
 from ..types import PrefillProblem
+from ..validation import dtype_name
 
 
 def problem_shape(problem: PrefillProblem) -> ProblemShape:
@@ -71,7 +72,7 @@ class TritonBackend(Backend):
         need = config.shared_mem_bytes(shape.head_size, shape.element_size)
         if need > device.max_shared_mem:
             raise UnsupportedFeatureError(
-                f"head_size {shape.head_size} with {str(shape.dtype).replace('torch.', '')} needs {need} bytes of "
+                f"head_size {shape.head_size} with {dtype_name(shape.dtype)} needs {need} bytes of "
                 f"shared memory even with the smallest tile, but {device.name} has {device.max_shared_mem} per "
                 f"block; use float16/bfloat16 inputs or backend='reference'")
 
