@@ -617,6 +617,7 @@ def test_backend_template_installs_and_never_hijacks_selection(template_site):
             "entry_points": sorted(f"{ep.name}={ep.value}" for ep in md.entry_points(group=pp.ENTRY_POINT_GROUP)),
             "priority": backend.priority,
             "placeholder_vendor": VENDOR,
+            "description": backend.description,
             "reasons": {"nvidia": backend.supports(nvidia), "cpu": backend.supports(CPU),
                         "interpreter cpu": interp_reasons, "own": backend.supports(own)},
             "chosen": {"nvidia": choose(nvidia), "cpu": choose(CPU), "own": choose(own)},
@@ -628,6 +629,8 @@ def test_backend_template_installs_and_never_hijacks_selection(template_site):
     assert "mybackend=pagedprefill_mybackend.plugin" in facts["entry_points"]
     assert facts["priority"] == 150
     assert facts["placeholder_vendor"] == "myvendor"
+    # the description follows VENDOR, so a renamed backend does not keep the template's
+    assert facts["description"] == "Triton kernels tuned for myvendor accelerators"
     for device in ("nvidia", "cpu", "interpreter cpu"):
         assert facts["reasons"][device], f"the template backend accepted the {device} device"
         assert "myvendor" in facts["reasons"][device][0]
