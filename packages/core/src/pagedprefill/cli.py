@@ -80,10 +80,11 @@ def device_problem(device: torch.device) -> Optional[str]:
 
 
 def _cuda_problem(device: torch.device) -> Optional[str]:
-    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
-        return (f"{device}: this torch ({torch.__version__}) is built without CUDA; install a CUDA build of torch, "
-                "or use --device cpu")
+    # Availability first: vendor builds that expose their GPUs as `cuda` need not set torch.version.cuda.
     if not torch.cuda.is_available():
+        if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+            return (f"{device}: this torch ({torch.__version__}) is built without CUDA; install a CUDA build of "
+                    "torch, or use --device cpu")
         return f"{device}: no CUDA device is visible (check the driver and CUDA_VISIBLE_DEVICES), or use --device cpu"
     count = torch.cuda.device_count()
     if device.index is not None and device.index >= count:
