@@ -396,7 +396,7 @@ def test_write_to_cache_errors(layout, case):
         "head_size": (ValueError, r"^key: expected \[tokens, 2, 16\] to match the cache, got \(5, 2, 8\)$"),
         "slots_2d": (ValueError, r"^slot_mapping: expected shape \[5\], got \(1, 5\)$"),
         "slots_length": (ValueError, r"^slot_mapping: expected shape \[5\], got \(4,\)$"),
-        "slots_float": (TypeError, r"^slot_mapping: expected dtype int32 or int64, got torch.float32$"),
+        "slots_float": (TypeError, r"^slot_mapping: expected dtype int32 or int64, got float32$"),
     }[case]
     if case == "key_2d":
         key = key.reshape(5, 32)

@@ -15,7 +15,16 @@ import pagedprefill as pp
 import pagedprefill.reference as reference_module
 import pytest
 import torch
-from pagedprefill.testing import CASES, BatchSpec, case_spec, fresh_output, make_problem, random_spec, with_output
+from pagedprefill.testing import (
+    CASES,
+    BatchSpec,
+    case_spec,
+    fresh_output,
+    make_problem,
+    random_spec,
+    sdpa_float64,
+    with_output,
+)
 
 #: (atol, rtol) of the float32-compute reference against the float64 oracle, by output dtype: the output
 #: rounding (half an ulp: 2^-11 fp16, 2^-8 bf16) dominates, plus float32 accumulation for float32 outputs.
@@ -201,6 +210,25 @@ def test_matches_sdpa_with_bottom_right_causal_mask():
         want = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask).transpose(0, 1)
         torch.testing.assert_close(got[s0:s0 + n], want, atol=1e-12, rtol=1e-10)
+
+
+#: Cases whose options scaled_dot_product_attention can express (no softcap, no sinks).
+SDPA_CASES = sorted(name for name in CASES if not case_spec(name).softcap and not case_spec(name).sinks)
+
+
+@pytest.mark.parametrize("case", SDPA_CASES)
+def test_demo_check_sdpa_float64_matches_oracle(case):
+    """The demo's independent float64 computation agrees with the naive oracle (ALiBi, windows, FP8, GQA)."""
+    problem = make_problem(case_spec(case, "small", seed=1))
+    got = sdpa_float64(problem)
+    assert got.dtype == torch.float64 and got.shape == problem.q.shape
+    torch.testing.assert_close(got, oracle(problem), atol=TIGHT[0], rtol=TIGHT[1], msg=lambda m: f"{case}: {m}")
+
+
+@pytest.mark.parametrize("option", [{"softcap": 5.0}, {"sinks": True}])
+def test_demo_check_sdpa_float64_refuses_what_it_cannot_express(option):
+    with pytest.raises(ValueError, match=r"^sdpa_float64: softcap and sinks have no counterpart"):
+        sdpa_float64(make_problem(case_spec("basic").replace(**option)))
 
 
 def test_sinks_take_probability_mass():

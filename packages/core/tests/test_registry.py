@@ -433,8 +433,8 @@ def test_backend_argument_per_call(dummy_facts):
     for key in ("dummy @ cpu", "instance @ cpu"):
         error = per_call[key]
         assert error["type"] == "BackendUnavailableError", key
-        assert error["message"] == ("backend 'dummy' was requested but cannot run on test cpu (cpu), vendor=cpu, "
-                                    f"triton=unavailable: {DUMMY_REASON}, not on vendor 'cpu' (test cpu)"), key
+        assert error["message"] == (f"backend 'dummy' was requested but cannot run on {CPU.describe()}: "
+                                    f"{DUMMY_REASON}, not on vendor 'cpu' (test cpu)"), key
 
 
 def test_backend_argument_through_prefill_attention(dummy_facts):
@@ -511,7 +511,7 @@ def test_no_backend_message_lists_every_backend_and_how_to_override(broken_facts
     error = broken_facts["no_backend"]
     assert error["type"] == "BackendUnavailableError"
     lines = error["message"].splitlines()
-    assert lines[0] == "no pagedprefill backend can run on test cpu (cpu), vendor=cpu, triton=unavailable."
+    assert lines[0] == f"no pagedprefill backend can run on {CPU.describe()}."
     assert lines[1] == "Discovered backends:"
     rows = {line.split()[1]: line for line in lines if line.startswith("  - ")}
     discovered = broken_facts["no_backend_names"]
@@ -523,6 +523,9 @@ def test_no_backend_message_lists_every_backend_and_how_to_override(broken_facts
     if GENERIC_INSTALLED:
         assert rows["generic"].startswith("  - generic (priority 100): ") and "supported" not in rows["generic"]
     assert "backend=..." in lines[-1] and "PAGEDPREFILL_BACKEND=name[,name...]" in lines[-1]
+    # the backends are not on any package index: the message points to the repository's folders
+    assert "from the repository's packages/ folder" in lines[-1] and "./packages/backend-generic" in lines[-1]
+    assert "pagedprefill-sm80" not in error["message"]
     assert broken_facts["no_backend_dummy"] == "dummy"
 
 
@@ -614,6 +617,7 @@ def test_backend_template_installs_and_never_hijacks_selection(template_site):
             "entry_points": sorted(f"{ep.name}={ep.value}" for ep in md.entry_points(group=pp.ENTRY_POINT_GROUP)),
             "priority": backend.priority,
             "placeholder_vendor": VENDOR,
+            "description": backend.description,
             "reasons": {"nvidia": backend.supports(nvidia), "cpu": backend.supports(CPU),
                         "interpreter cpu": interp_reasons, "own": backend.supports(own)},
             "chosen": {"nvidia": choose(nvidia), "cpu": choose(CPU), "own": choose(own)},
@@ -637,6 +641,8 @@ def test_backend_template_installs_and_never_hijacks_selection(template_site):
     assert "mybackend=pagedprefill_mybackend.plugin" in facts["entry_points"]
     assert facts["priority"] == 150
     assert facts["placeholder_vendor"] == "myvendor"
+    # the description follows VENDOR, so a renamed backend does not keep the template's
+    assert facts["description"] == "Triton kernels tuned for myvendor accelerators"
     for device in ("nvidia", "cpu", "interpreter cpu"):
         assert facts["reasons"][device], f"the template backend accepted the {device} device"
         assert "myvendor" in facts["reasons"][device][0]
@@ -739,3 +745,13 @@ def test_example_backend_leaves_other_xpu_devices_alone(example_facts):
 def test_example_backend_runs_its_tile_in_the_interpreter(example_facts):
     assert example_facts["tile"]["block_m"] == 32 and example_facts["tile"]["heads_per_tile"] == 2
     assert example_facts["max_abs_err"] < 1e-4
+
+
+def test_missing_triton_reason_points_to_the_repository(monkeypatch):
+    """A Triton backend without Triton says how to install it without a package index knowing pagedprefill."""
+    import pagedprefill.backends.triton_base as triton_base
+
+    monkeypatch.setattr(triton_base, "triton_installed", lambda: False)
+    reasons = triton_base.TritonBackend().supports(CPU)
+    assert reasons == ['Triton is not installed (pip install triton, or pip install "./packages/core[triton]" '
+                       'from the repository)']

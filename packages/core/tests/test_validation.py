@@ -8,6 +8,8 @@ Each case builds a valid random problem, breaks exactly one thing, and calls
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -70,6 +72,17 @@ def call_native(a: dict, validate="full"):
 
 CALLS = {"drop_in": call_drop_in, "native": call_native}
 
+#: The drop-in's argument names and the native API's names for the same arguments.
+NATIVE_NAMES = {"o": "out", "b_loc": "block_table", "b_start_loc": "query_start", "b_seq_len": "seq_lens",
+                "b_ctx_len": "context_lens", "max_input_len": "max_query_len"}
+
+
+def as_written(text: str, api: str) -> str:
+    """``text`` (written with the drop-in's names) with the argument names the caller of ``api`` wrote."""
+    if api == "drop_in":
+        return text
+    return re.sub(r"\b(" + "|".join(NATIVE_NAMES) + r")\b", lambda m: NATIVE_NAMES[m.group(1)], text)
+
 
 @dataclass(frozen=True)
 class Bad:
@@ -110,6 +123,8 @@ def both_caches(make):
     return puts(k_cache=lambda a: make(a["k_cache"]), v_cache=lambda a: make(a["v_cache"]))
 
 
+#: A dtype spelled the second way; messages spell dtypes one way, without ``torch.`` (see ``dtype_name``).
+TORCH_DTYPE = re.compile(r"torch\.(u?int|float|bfloat|bool|complex)")
 FLOATS = "float16 or bfloat16 or float32"
 INTS = "int32 or int64"
 
@@ -135,11 +150,11 @@ CASES = [
     Bad("q_int", NHD, puts(**{n: (lambda a, n=n: a[n].to(torch.int32)) for n in ("q", "k", "v", "o")}),
         TypeError, "q", (f"expected dtype {FLOATS}", "got int32")),
     Bad("k_dtype", NHD, put("k", lambda a: a["k"].float()), TypeError, "k",
-        ("expected dtype torch.float16 (the dtype of q)", "got torch.float32")),
+        ("expected dtype float16 (the dtype of q)", "got float32")),
     Bad("v_dtype", NHD, put("v", lambda a: a["v"].bfloat16()), TypeError, "v",
-        ("expected dtype torch.float16 (the dtype of q)", "got torch.bfloat16")),
+        ("expected dtype float16 (the dtype of q)", "got bfloat16")),
     Bad("out_dtype", NHD, put("o", lambda a: a["o"].float()), TypeError, "out",
-        ("expected dtype torch.float16 (the dtype of q)", "got torch.float32")),
+        ("expected dtype float16 (the dtype of q)", "got float32")),
     Bad("k_device", NHD, put("k", lambda a: meta(a["k"])), ValueError, "k",
         ("expected a tensor on cpu (the device of q)", "got one on meta")),
     Bad("v_device", NHD, put("v", lambda a: meta(a["v"])), ValueError, "v",
@@ -182,26 +197,26 @@ CASES = [
     Bad("v_cache_device", SPLIT, put("v_cache", lambda a: meta(a["v_cache"])), ValueError, "v_cache",
         ("expected a tensor on cpu", "got one on meta")),
     Bad("fp8_declared_fp16_cache", NHD, put("kv_cache_dtype", lambda a: "fp8"), TypeError, "k_cache",
-        ("expected dtype uint8 (or torch.float8_e4m3fn) for kv_cache_dtype='fp8_e4m3'", "got float16")),
+        ("expected dtype uint8 (or float8_e4m3fn) for kv_cache_dtype='fp8_e4m3'", "got float16")),
     Bad("e5m2_declared_e4m3_cache", FP8,
         puts(kv_cache_dtype=lambda a: "fp8_e5m2", k_cache=lambda a: a["k_cache"].view(torch.float8_e4m3fn),
              v_cache=lambda a: a["v_cache"].view(torch.float8_e4m3fn)),
-        TypeError, "k_cache", ("expected dtype uint8 (or torch.float8_e5m2) for kv_cache_dtype='fp8_e5m2'",
+        TypeError, "k_cache", ("expected dtype uint8 (or float8_e5m2) for kv_cache_dtype='fp8_e5m2'",
                                "got float8_e4m3fn")),
     Bad("auto_with_uint8_cache", FP8, put("kv_cache_dtype", lambda a: "auto"), TypeError, "k_cache",
-        ("torch.uint8 holds FP8 bytes", "kv_cache_dtype='auto' expects the model dtype torch.float16")),
+        ("uint8 holds FP8 bytes", "kv_cache_dtype='auto' expects the model dtype float16")),
     Bad("auto_with_uint8_cache_nhd", FP8_NHD, put("kv_cache_dtype", lambda a: "auto"), TypeError, "k_cache",
-        ("torch.uint8 holds FP8 bytes", "kv_cache_dtype='auto' expects the model dtype torch.float16")),
+        ("uint8 holds FP8 bytes", "kv_cache_dtype='auto' expects the model dtype float16")),
     Bad("auto_with_float8_cache", FP8,
         puts(kv_cache_dtype=lambda a: "auto", k_cache=lambda a: a["k_cache"].view(torch.float8_e4m3fn),
              v_cache=lambda a: a["v_cache"].view(torch.float8_e4m3fn)),
-        TypeError, "k_cache", ("torch.float8_e4m3fn holds FP8 bytes", "expects the model dtype torch.float16")),
+        TypeError, "k_cache", ("float8_e4m3fn holds FP8 bytes", "expects the model dtype float16")),
     Bad("auto_cache_dtype_differs_from_q", NHD, both_caches(lambda t: t.float()), TypeError, "k_cache",
-        ("expected dtype torch.float16 (the dtype of q, kv_cache_dtype='auto')", "got float32")),
+        ("expected dtype float16 (the dtype of q, kv_cache_dtype='auto')", "got float32")),
     Bad("v_cache_dtype_differs", NHD, put("v_cache", lambda a: a["v_cache"].float()), TypeError, "v_cache",
-        ("expected dtype torch.float16 (the dtype of k_cache)", "got torch.float32")),
+        ("expected dtype float16 (the dtype of k_cache)", "got float32")),
     Bad("fp8_v_cache_dtype_differs", FP8, put("v_cache", lambda a: a["v_cache"].view(torch.float8_e4m3fn)),
-        TypeError, "v_cache", ("expected dtype torch.uint8 (the dtype of k_cache)", "got torch.float8_e4m3fn")),
+        TypeError, "v_cache", ("expected dtype uint8 (the dtype of k_cache)", "got float8_e4m3fn")),
     Bad("split_forced_on_4d_key", NHD, put("_layout", lambda a: "split"), ValueError, "k_cache",
         ("expected a 5-D tensor [num_blocks, num_kv_heads, head_size // x, block_size, x] (split layout)",
          f"got shape [{NB}, {BS}, {HKV}, {D}]"), apis=("native",)),
@@ -436,10 +451,12 @@ def test_bad_input_is_rejected(case: Bad, api: str):
         CALLS[api](a)
     assert type(info.value) is case.exc
     message = str(info.value)
-    arg = "o" if case.arg == "out" and api == "drop_in" else case.arg  # each API names its own argument
+    arg = "o" if case.arg == "out" and api == "drop_in" else as_written(case.arg, api)  # as each caller wrote it
     assert message.startswith(f"{arg}:"), message
     for part in case.parts:
+        part = as_written(part, api)
         assert part in message, f"{part!r} not in {message!r}"
+    assert not TORCH_DTYPE.search(message), f"dtypes are spelled without 'torch.': {message!r}"
     _assert_untouched(a, before)
 
 
@@ -463,7 +480,7 @@ def test_validate_problem_direct():
                                                 p.batch.block_table, p.batch.max_query_len))
     pp.validate_problem(broken, "basic")
     pp.validate_problem(broken)  # "basic" is the default
-    with pytest.raises(ValueError, match=r"^b_ctx_len: expected values >= 0, got -1 for sequence 3$"):
+    with pytest.raises(ValueError, match=r"^context_lens: expected values >= 0, got -1 for sequence 3$"):
         pp.validate_problem(broken, "full")
     pp.validate_problem(p, "full")
 
@@ -503,3 +520,68 @@ def test_kv_cache_dtype_parse():
         parse("int8")
     with pytest.raises(TypeError, match=r"^kv_cache_dtype: expected a str .*, got int$"):
         parse(8)
+
+
+def _native_parts(spec: BatchSpec = NHD):
+    """q, k, v, cache and the per-sequence lengths and table of a valid native call."""
+    p = make_problem(spec)
+    b = p.batch
+    query_lens = (b.seq_lens - b.context_lens).tolist()
+    return p, query_lens, b.context_lens.tolist(), b.block_table
+
+
+def test_from_lengths_refuses_lengths_of_different_counts():
+    _, _, _, table = _native_parts()
+    with pytest.raises(ValueError, match=r"^context_lens: expected one length per sequence, as many as query_lens "
+                                         r"\(2\), got 3$"):
+        pp.BatchMetadata.from_lengths([5, 1], [40, 17, 0], table[:2])
+    with pytest.raises(ValueError, match=r"^context_lens: .* as many as query_lens \(3\), got 2$"):
+        pp.BatchMetadata.from_lengths([5, 1, 4], [40, 17], table[:3])
+
+
+def test_from_lengths_refuses_a_block_table_that_is_not_a_tensor():
+    with pytest.raises(TypeError, match=r"^block_table: expected a torch.Tensor, got list$"):
+        pp.BatchMetadata.from_lengths([5, 1], [40, 17], [[0, 1], [2, 3]])
+
+
+def test_native_errors_name_the_native_arguments():
+    """A native caller wrote block_table, query_start, max_query_len...: errors use those names, not the
+    drop-in's b_loc, b_start_loc, max_input_len."""
+    p, query_lens, context_lens, table = _native_parts()
+    batch = pp.BatchMetadata.from_lengths(query_lens, context_lens, table.float())
+    with pytest.raises(TypeError, match=r"^block_table: expected dtype int32 or int64, got float32$"):
+        pp.prefill_attention(p.q, p.k, p.v, p.cache, batch, backend="reference")
+    good = pp.BatchMetadata.from_lengths(query_lens, context_lens, table)
+    checks = [
+        (dataclasses.replace(good, max_query_len=1), ValueError, r"^max_query_len: expected >= the longest query"),
+        (dataclasses.replace(good, query_start=good.query_start[:2]), ValueError, r"^query_start: expected shape"),
+        (dataclasses.replace(good, context_lens=good.context_lens.float()), TypeError, r"^context_lens: expected"),
+        (dataclasses.replace(good, seq_lens=good.seq_lens - 100), ValueError,
+         r"^seq_lens: expected seq_lens >= context_lens, got"),
+    ]
+    for batch, exc, pattern in checks:
+        with pytest.raises(exc, match=pattern):
+            pp.prefill_attention(p.q, p.k, p.v, p.cache, batch, backend="reference", validate="full")
+
+
+def test_custom_operator_errors_name_its_arguments():
+    """The operators' arguments are called block_table, query_start...: errors say so too."""
+    p = make_problem(NHD)
+    b = p.batch
+    with pytest.raises(TypeError, match=r"^block_table: expected dtype int32 or int64, got float32$"):
+        torch.ops.pagedprefill.prefill_attention(p.q, p.k, p.v, p.cache.key, p.cache.value, b.block_table.float(),
+                                                 b.query_start, b.seq_lens, b.context_lens, backend="reference")
+
+
+def test_drop_in_errors_keep_the_drop_in_names():
+    a = drop_in_args(make_problem(NHD))
+    a["b_loc"] = a["b_loc"].float()
+    with pytest.raises(TypeError, match=r"^b_loc: expected dtype int32 or int64, got float32$"):
+        call_drop_in(a)
+
+
+def test_dtype_name_is_the_one_spelling_of_dtypes_in_messages():
+    from pagedprefill.validation import dtype_name
+
+    assert [dtype_name(d) for d in (torch.float16, torch.bfloat16, torch.int32, torch.uint8, torch.float8_e4m3fn)] \
+        == ["float16", "bfloat16", "int32", "uint8", "float8_e4m3fn"]

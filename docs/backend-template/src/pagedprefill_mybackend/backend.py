@@ -24,11 +24,11 @@ class MyBackend(TritonBackend):
     #: reference 0, generic 100, hardware-specific backends 200 and up. The template sits below the
     #: hardware-specific range; give a finished backend 200 or more so that it wins over generic.
     priority = 150
-    description = "Triton kernels tuned for myvendor accelerators (template)"
+    description = f"Triton kernels tuned for {VENDOR} accelerators"  # follows VENDOR when you rename it
     policy = staticmethod(my_policy)
 
-    #: KV-cache formats the hardware can read. Remove the FP8 ones if it has no float8 conversion (and
-    #: declare the matching exclusions in tests/test_conformance.py).
+    #: KV-cache formats the hardware can read. Remove the FP8 ones if it has no float8 conversion (the
+    #: conformance test then skips those formats, see tests/test_conformance.py).
     kv_cache_dtypes = frozenset({"auto", "fp8_e4m3", "fp8_e5m2"})
 
     def supports(self, device: DeviceInfo) -> list[str]:

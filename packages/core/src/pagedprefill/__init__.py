@@ -14,9 +14,16 @@ and selects one for the current device. Set ``PAGEDPREFILL_LAZY_SELECT=1`` to de
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Optional
 
-from . import ops  # registers torch.ops.pagedprefill.prefill_attention(_) for torch.compile / CUDA graphs
+with warnings.catch_warnings():
+    # torch warns "Failed to initialize NumPy" when it first meets a missing numpy (at its import, or when
+    # custom operators register); the reference-only install has no numpy and needs none.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    import torch  # noqa: F401
+
+    from . import ops  # registers torch.ops.pagedprefill.prefill_attention(_) for torch.compile / CUDA graphs
 from .api import (
     available_backends,
     context_attention_fwd,

@@ -25,7 +25,7 @@ from .types import (
     PrefillProblem,
     ScaleLike,
 )
-from .validation import ValidateMode, validate_problem
+from .validation import DROP_IN_NAMES, NATIVE_NAMES, ArgumentNames, ValidateMode, validate_problem
 
 BackendChoice = Union[str, Backend, None]
 
@@ -68,12 +68,13 @@ def available_backends() -> list[Backend]:
 
 
 def dispatch(problem: PrefillProblem, backend: BackendChoice = None, validate: ValidateMode = "basic",
-             out_name: str = "out") -> torch.Tensor:
+             names: ArgumentNames = NATIVE_NAMES) -> torch.Tensor:
     """Validate ``problem``, run it on the chosen backend, and return ``problem.out``.
 
-    ``out_name`` is how errors name the output argument (``o`` for the drop-in signature).
+    ``names`` is how errors name the arguments (the native names by default; ``DROP_IN_NAMES`` for
+    :func:`context_attention_fwd`).
     """
-    validate_problem(problem, validate, out_name)
+    validate_problem(problem, validate, names)
     info = DeviceInfo.detect(problem.device)
     chosen = get_registry().select(info, backend)
     chosen.check_problem(problem, info)
@@ -166,4 +167,4 @@ def context_attention_fwd(
         options=AttentionOptions(sm_scale=sm_scale, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
                                  softcap=softcap, sinks=sinks),
     )
-    return dispatch(problem, backend=backend, validate=validate, out_name="o")
+    return dispatch(problem, backend=backend, validate=validate, names=DROP_IN_NAMES)

@@ -247,11 +247,13 @@ def cmd_bench(args) -> int:
 
 
 def register(sub) -> None:
+    from .cli import positive_int, torch_device
+
     p = sub.add_parser("bench", help="time the workload suite for backends and peers (GPU)")
     p.add_argument("--backend", action="append", help="backend to time (repeatable; default: the selected one)")
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", type=torch_device, default=None, help="CUDA device to time on (default: the current)")
     p.add_argument("--only", action="append", help="run workloads whose name contains this (repeatable)")
-    p.add_argument("--reps", type=int, default=200, help="do_bench repetition budget in ms (default 200)")
+    p.add_argument("--reps", type=positive_int, default=200, help="do_bench repetition budget in ms (default 200)")
     p.add_argument("--no-reference", action="store_true", help="skip timing the reference implementation")
     p.add_argument("--json", default="bench.json", help="write rows here (default bench.json)")
     p.add_argument("--png", default="bench.png", help="write a chart here (default bench.png)")

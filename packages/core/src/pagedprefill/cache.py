@@ -12,7 +12,7 @@ from typing import Optional, Union
 import torch
 
 from .types import KVCacheDType, KVLayout, PagedKVCache, ScaleLike
-from .validation import expected_x
+from .validation import dtype_name, expected_x
 
 DeviceLike = Union[str, torch.device, None]
 
@@ -111,7 +111,7 @@ def write_to_cache(
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping: expected shape [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"slot_mapping: expected dtype int32 or int64, got {slot_mapping.dtype}")
+        raise TypeError(f"slot_mapping: expected dtype int32 or int64, got {dtype_name(slot_mapping.dtype)}")
     slots = slot_mapping.to(device=cache.key.device, dtype=torch.int64)
     keep = slots >= 0
     slots, key, value = slots[keep], key[keep], value[keep]

@@ -86,8 +86,16 @@ class DeviceInfo:
         if self.type != "cpu":
             parts += [f"capability={self.capability[0]}.{self.capability[1]}", f"warp_size={self.warp_size}",
                       f"SMs={self.num_sms}", f"shared_mem/block={self.max_shared_mem // 1024} KiB"]
-        parts.append(f"triton={self.triton_backend or 'unavailable'}")
+        parts.append(f"triton={self.triton_backend or self._no_triton_reason()}")
         return ", ".join(parts)
+
+    def _no_triton_reason(self) -> str:
+        """Why Triton has no target for this device: not installed, or installed without a driver for it."""
+        if not triton_installed():
+            return "none (Triton is not installed)"
+        if self.type == "cpu":
+            return "none (Triton is installed but has no CPU driver; TRITON_INTERPRET=1 runs its interpreter)"
+        return f"none (Triton is installed but has no driver for {self.type})"
 
     @classmethod
     def detect(cls, device: DeviceLike = None) -> DeviceInfo:

@@ -46,7 +46,8 @@ def tune(backend_name: str, head_sizes, dtypes, workloads, device: torch.device,
     info = DeviceInfo.detect(device)
     backend = get_registry().get(backend_name)
     if not hasattr(backend, "search_space"):
-        raise SystemExit(f"backend {backend_name!r} declares no search_space(); nothing to tune")
+        raise ValueError(f"--backend: backend {backend_name!r} declares no search_space(), so there is nothing "
+                         "to tune; choose a backend that does (sm80)")
     entries, report = {}, []
     keys = [(d, t, w) for d in head_sizes for t in dtypes for w in workloads]
     for i, (d, dt, wl) in enumerate(keys):
@@ -109,11 +110,19 @@ def cmd_tune(args) -> int:
 
 
 def register(sub) -> None:
+    from .cli import positive_int, torch_device
+
     p = sub.add_parser("tune", help="sweep a backend's tile configs on this GPU and write its policy table")
-    p.add_argument("--backend", default="sm80")
-    p.add_argument("--device", default=None)
-    p.add_argument("--head-size", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=["bf16"])
-    p.add_argument("--workload", nargs="+", choices=["short", "long"], default=["long", "short"])
+    p.add_argument("--backend", default="sm80",
+                   help="backend whose declared search space is swept; it must define search_space() "
+                        "(default: %(default)s)")
+    p.add_argument("--device", type=torch_device, default=None,
+                   help="CUDA device to tune on (default: the current one)")
+    p.add_argument("--head-size", type=positive_int, nargs="+", default=[64, 128],
+                   help="head sizes to tune (default: 64 128)")
+    p.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=["bf16"],
+                   help="query dtypes to tune (default: bf16)")
+    p.add_argument("--workload", nargs="+", choices=["short", "long"], default=["long", "short"],
+                   help="workload shapes to tune (default: long short)")
     p.add_argument("--out", default=None, help="table path (default: the user table the policy reads)")
     p.set_defaults(func=cmd_tune)

@@ -101,7 +101,15 @@ class BatchMetadata:
         block_table: torch.Tensor,
         device: Union[str, torch.device, None] = None,
     ) -> BatchMetadata:
-        """Build metadata from host lists of new-token and context lengths (a convenience for tests/tools)."""
+        """Build metadata from host lists of new-token and context lengths (a convenience for tests/tools).
+
+        ``query_lens`` and ``context_lens`` give one length per sequence, in the order of ``block_table``'s rows.
+        """
+        if len(context_lens) != len(query_lens):
+            raise ValueError(f"context_lens: expected one length per sequence, as many as query_lens "
+                             f"({len(query_lens)}), got {len(context_lens)}")
+        if not isinstance(block_table, torch.Tensor):
+            raise TypeError(f"block_table: expected a torch.Tensor, got {type(block_table).__name__}")
         device = block_table.device if device is None else torch.device(device)
         q = torch.tensor(query_lens, dtype=torch.int32)
         c = torch.tensor(context_lens, dtype=torch.int32)

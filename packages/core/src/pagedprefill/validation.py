@@ -14,6 +14,7 @@ metadata can give wrong numbers but never an out-of-bounds access.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
@@ -25,6 +26,31 @@ ValidateMode = Literal["basic", "full"]
 MAX_HEAD_SIZE = 256
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class ArgumentNames:
+    """What the caller called the arguments whose name differs between entry points, so that every error
+    names the argument as the caller wrote it."""
+
+    out: str = "out"
+    block_table: str = "block_table"
+    query_start: str = "query_start"
+    seq_lens: str = "seq_lens"
+    context_lens: str = "context_lens"
+    max_query_len: str = "max_query_len"
+
+
+#: The native API (:class:`~pagedprefill.BatchMetadata` fields) and the custom operators.
+NATIVE_NAMES = ArgumentNames()
+#: The drop-in :func:`~pagedprefill.context_attention_fwd`.
+DROP_IN_NAMES = ArgumentNames(out="o", block_table="b_loc", query_start="b_start_loc", seq_lens="b_seq_len",
+                              context_lens="b_ctx_len", max_query_len="max_input_len")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """How messages spell a dtype: ``float16``, ``float8_e4m3fn``, ``int32`` (without ``torch.``)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -44,8 +70,8 @@ def _expect_ndim(name: str, t: torch.Tensor, ndim: int, layout: str) -> None:
 
 def _expect_dtype(name: str, t: torch.Tensor, allowed: tuple, what: Optional[str] = None) -> None:
     if t.dtype not in allowed:
-        names = what or " or ".join(str(d).replace("torch.", "") for d in allowed)
-        raise TypeError(f"{name}: expected dtype {names}, got {str(t.dtype).replace('torch.', '')}")
+        names = what or " or ".join(dtype_name(d) for d in allowed)
+        raise TypeError(f"{name}: expected dtype {names}, got {dtype_name(t.dtype)}")
 
 
 def _expect_device(name: str, t: torch.Tensor, device: torch.device) -> None:
@@ -65,19 +91,19 @@ def expected_x(head_size: int, element_size: int) -> int:
     return math.gcd(head_size, max(1, 16 // element_size))
 
 
-def validate_problem(p: PrefillProblem, mode: ValidateMode = "basic", out_name: str = "out") -> None:
+def validate_problem(p: PrefillProblem, mode: ValidateMode = "basic", names: ArgumentNames = NATIVE_NAMES) -> None:
     """Check a problem before any kernel sees it; raise ``TypeError``/``ValueError`` naming the argument.
 
-    ``out_name`` is what the caller calls the output argument (``o`` in the drop-in signature).
+    ``names`` is what the caller calls the arguments (:data:`DROP_IN_NAMES` for the drop-in signature).
     """
     if mode not in ("basic", "full"):
         raise ValueError(f"validate: expected 'basic' or 'full', got {mode!r}")
-    _validate_tensors(p, out_name)
+    _validate_tensors(p, names.out)
     _validate_cache(p)
-    _validate_batch(p)
+    _validate_batch(p, names)
     _validate_options(p)
     if mode == "full":
-        validate_values(p)
+        validate_values(p, names)
 
 
 def _validate_tensors(p: PrefillProblem, out_name: str) -> None:
@@ -91,7 +117,7 @@ def _validate_tensors(p: PrefillProblem, out_name: str) -> None:
     _expect_dtype("q", q, FLOAT_DTYPES)
     for name, t in (("k", k), ("v", v), (out_name, out)):
         if t.dtype != q.dtype:
-            raise TypeError(f"{name}: expected dtype {q.dtype} (the dtype of q), got {t.dtype}")
+            raise TypeError(f"{name}: expected dtype {dtype_name(q.dtype)} (the dtype of q), got {dtype_name(t.dtype)}")
         _expect_device(name, t, q.device)
     T, H, D = q.shape
     if not 1 <= D <= MAX_HEAD_SIZE:
@@ -128,16 +154,18 @@ def _validate_cache(p: PrefillProblem) -> None:
     Hkv, D = p.num_kv_heads, p.head_size
     if c.dtype.is_fp8:
         allowed = (torch.uint8, c.dtype.torch_dtype)
-        _expect_dtype("k_cache", kc, allowed, f"uint8 (or {c.dtype.torch_dtype}) for kv_cache_dtype={c.dtype.value!r}")
+        _expect_dtype("k_cache", kc, allowed,
+                      f"uint8 (or {dtype_name(c.dtype.torch_dtype)}) for kv_cache_dtype={c.dtype.value!r}")
     else:
         if kc.dtype in (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2):
             raise TypeError(
-                f"k_cache: dtype {kc.dtype} holds FP8 bytes, but kv_cache_dtype='auto' expects the model dtype "
-                f"{p.q.dtype}; pass kv_cache_dtype='fp8_e4m3' or 'fp8_e5m2' with k_scale/v_scale"
+                f"k_cache: dtype {dtype_name(kc.dtype)} holds FP8 bytes, but kv_cache_dtype='auto' expects the model "
+                f"dtype {dtype_name(p.q.dtype)}; pass kv_cache_dtype='fp8_e4m3' or 'fp8_e5m2' with k_scale/v_scale"
             )
-        _expect_dtype("k_cache", kc, (p.q.dtype,), f"{p.q.dtype} (the dtype of q, kv_cache_dtype='auto')")
+        _expect_dtype("k_cache", kc, (p.q.dtype,), f"{dtype_name(p.q.dtype)} (the dtype of q, kv_cache_dtype='auto')")
     if vc.dtype != kc.dtype:
-        raise TypeError(f"v_cache: expected dtype {kc.dtype} (the dtype of k_cache), got {vc.dtype}")
+        raise TypeError(
+            f"v_cache: expected dtype {dtype_name(kc.dtype)} (the dtype of k_cache), got {dtype_name(vc.dtype)}")
     if c.layout is KVLayout.SPLIT:
         _expect_ndim("k_cache", kc, 5, "[num_blocks, num_kv_heads, head_size // x, block_size, x] (split layout)")
         _expect_ndim("v_cache", vc, 4, "[num_blocks, num_kv_heads, head_size, block_size] (split layout)")
@@ -176,30 +204,32 @@ def _validate_cache(p: PrefillProblem) -> None:
             raise ValueError(f"{name}: expected a finite positive scale, got {s}")
 
 
-def _validate_batch(p: PrefillProblem) -> None:
+def _validate_batch(p: PrefillProblem, names: ArgumentNames) -> None:
     b = p.batch
-    names = (("b_start_loc", b.query_start), ("b_seq_len", b.seq_lens), ("b_ctx_len", b.context_lens),
-             ("b_loc", b.block_table))
-    for name, t in names:
+    tensors = ((names.query_start, b.query_start), (names.seq_lens, b.seq_lens), (names.context_lens, b.context_lens),
+               (names.block_table, b.block_table))
+    for name, t in tensors:
         _expect_tensor(name, t)
         _expect_dtype(name, t, INDEX_DTYPES)
         _expect_device(name, t, p.q.device)
-    _expect_ndim("b_seq_len", b.seq_lens, 1, "[num_seqs]")
+    _expect_ndim(names.seq_lens, b.seq_lens, 1, "[num_seqs]")
     B = b.seq_lens.shape[0]
-    _expect_ndim("b_ctx_len", b.context_lens, 1, "[num_seqs]")
+    _expect_ndim(names.context_lens, b.context_lens, 1, "[num_seqs]")
     if b.context_lens.shape[0] != B:
-        raise ValueError(f"b_ctx_len: expected shape [{B}] (as b_seq_len), got {_shape(b.context_lens)}")
-    _expect_ndim("b_start_loc", b.query_start, 1, "[num_seqs] or [num_seqs + 1]")
+        raise ValueError(
+            f"{names.context_lens}: expected shape [{B}] (as {names.seq_lens}), got {_shape(b.context_lens)}")
+    _expect_ndim(names.query_start, b.query_start, 1, "[num_seqs] or [num_seqs + 1]")
     if b.query_start.shape[0] not in (B, B + 1):
-        raise ValueError(f"b_start_loc: expected shape [{B}] or [{B + 1}], got {_shape(b.query_start)}")
-    for name, t in names[:3]:
+        raise ValueError(f"{names.query_start}: expected shape [{B}] or [{B + 1}], got {_shape(b.query_start)}")
+    for name, t in tensors[:3]:
         _expect_unit_stride(name, t)
-    _expect_ndim("b_loc", b.block_table, 2, "[num_seqs, max_blocks_per_seq]")
+    _expect_ndim(names.block_table, b.block_table, 2, "[num_seqs, max_blocks_per_seq]")
     if b.block_table.shape[0] != B:
-        raise ValueError(f"b_loc: expected {B} rows (one per sequence), got shape {_shape(b.block_table)}")
+        raise ValueError(
+            f"{names.block_table}: expected {B} rows (one per sequence), got shape {_shape(b.block_table)}")
     if b.max_query_len is not None:
         if not isinstance(b.max_query_len, int) or isinstance(b.max_query_len, bool) or b.max_query_len < 0:
-            raise ValueError(f"max_input_len: expected a non-negative int, got {b.max_query_len!r}")
+            raise ValueError(f"{names.max_query_len}: expected a non-negative int, got {b.max_query_len!r}")
 
 
 def _validate_options(p: PrefillProblem) -> None:
@@ -225,7 +255,7 @@ def _validate_options(p: PrefillProblem) -> None:
         raise ValueError(f"softcap: expected a finite float >= 0 (0 = off), got {o.softcap!r}")
 
 
-def validate_values(p: PrefillProblem) -> None:
+def validate_values(p: PrefillProblem, names: ArgumentNames = NATIVE_NAMES) -> None:
     """The ``"full"`` checks: read the metadata on the host and check it against the tensor extents."""
     b = p.batch
     B = b.num_seqs
@@ -235,36 +265,38 @@ def validate_values(p: PrefillProblem) -> None:
     table = b.block_table.to("cpu", torch.int64)
     if B and int(ctx.min()) < 0:
         i = int(torch.argmin(ctx))
-        raise ValueError(f"b_ctx_len: expected values >= 0, got {int(ctx[i])} for sequence {i}")
+        raise ValueError(f"{names.context_lens}: expected values >= 0, got {int(ctx[i])} for sequence {i}")
     qlen = seq - ctx
     if B and int(qlen.min()) < 0:
         i = int(torch.argmin(qlen))
         raise ValueError(
-            f"b_seq_len: expected b_seq_len >= b_ctx_len, got seq_len={int(seq[i])} < ctx_len={int(ctx[i])} "
+            f"{names.seq_lens}: expected {names.seq_lens} >= {names.context_lens}, got seq_len={int(seq[i])} < "
+            f"ctx_len={int(ctx[i])} "
             f"for sequence {i}"
         )
     T = p.num_tokens
     if B:
         first = int(start[0])
         if first < 0:
-            raise ValueError(f"b_start_loc: expected values >= 0, got {first} for sequence 0")
+            raise ValueError(f"{names.query_start}: expected values >= 0, got {first} for sequence 0")
         expected = first + torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(qlen, 0)])
         n = start.shape[0]
         bad = (start != expected[:n]).nonzero()
         if bad.numel():
             i = int(bad[0])
             raise ValueError(
-                f"b_start_loc: expected packed sequences (start[i + 1] = start[i] + seq_len[i] - ctx_len[i]), "
+                f"{names.query_start}: expected packed sequences (start[i + 1] = start[i] + seq_len[i] - ctx_len[i]), "
                 f"got start[{i}]={int(start[i])}, expected {int(expected[i])}"
             )
         end = int(expected[-1])
         if end > T:
             raise ValueError(
-                f"b_seq_len/b_ctx_len: the new tokens of all sequences end at {end}, past the {T} tokens of q"
+                f"{names.seq_lens}/{names.context_lens}: the new tokens of all sequences end at {end}, past the "
+                f"{T} tokens of q"
             )
     if b.max_query_len is not None and B and int(qlen.max()) > b.max_query_len:
         raise ValueError(
-            f"max_input_len: expected >= the longest query ({int(qlen.max())}), got {b.max_query_len}"
+            f"{names.max_query_len}: expected >= the longest query ({int(qlen.max())}), got {b.max_query_len}"
         )
     bs = p.cache.block_size
     nblocks_needed = (ctx + bs - 1) // bs
@@ -272,8 +304,8 @@ def validate_values(p: PrefillProblem) -> None:
     if B and int(nblocks_needed.max()) > width:
         i = int(torch.argmax(nblocks_needed))
         raise ValueError(
-            f"b_loc: sequence {i} has {int(ctx[i])} cached tokens, needing {int(nblocks_needed[i])} blocks of "
-            f"{bs}, but the block table has {width} columns"
+            f"{names.block_table}: sequence {i} has {int(ctx[i])} cached tokens, needing {int(nblocks_needed[i])} "
+            f"blocks of {bs}, but the block table has {width} columns"
         )
     if B and width:
         used = torch.arange(width)[None, :] < nblocks_needed[:, None]
@@ -282,6 +314,6 @@ def validate_values(p: PrefillProblem) -> None:
         if bool(bad.any()):
             i, j = (int(x) for x in bad.nonzero()[0])
             raise ValueError(
-                f"b_loc: expected block numbers in [0, {num_blocks}), got {int(table[i, j])} at "
+                f"{names.block_table}: expected block numbers in [0, {num_blocks}), got {int(table[i, j])} at "
                 f"[{i}, {j}] (sequence {i} uses {int(nblocks_needed[i])} blocks)"
             )

@@ -34,7 +34,7 @@ def gpu_backend(gpu) -> pp.Backend:
         info = pp.DeviceInfo.detect(gpu)
         reasons = "; ".join(f"{b.name}: {', '.join(b.supports(info)) or 'supported'}" for b in pp.available_backends())
         pytest.skip(f"no Triton backend was selected for {info.describe()} ({reasons}); install "
-                    "pagedprefill-generic and pagedprefill-sm80")
+                    "./packages/backend-generic and ./packages/backend-sm80 from the repository")
     return backend
 
 

@@ -9,6 +9,7 @@ from ..registry import Backend, UnsupportedFeatureError
 from ..tiling import ProblemShape, TileConfig
 from ..tuning import tables_state
 from ..types import PrefillProblem
+from ..validation import dtype_name
 
 
 def problem_shape(problem: PrefillProblem) -> ProblemShape:
@@ -41,7 +42,8 @@ class TritonBackend(Backend):
 
     def supports(self, device: DeviceInfo) -> list[str]:
         if not triton_installed():
-            return ["Triton is not installed (pip install 'pagedprefill[triton]')"]
+            return ["Triton is not installed (pip install triton, or pip install \"./packages/core[triton]\" from "
+                    "the repository)"]
         if device.type == "cpu":
             if not self.runs_in_interpreter:
                 return ["runs on GPUs only, not on the CPU"]
@@ -75,7 +77,7 @@ class TritonBackend(Backend):
         need = config.shared_mem_bytes(shape.head_size, shape.element_size)
         if need > device.max_shared_mem:
             raise UnsupportedFeatureError(
-                f"head_size {shape.head_size} with {str(shape.dtype).replace('torch.', '')} needs {need} bytes of "
+                f"head_size {shape.head_size} with {dtype_name(shape.dtype)} needs {need} bytes of "
                 f"shared memory even with the smallest tile, but {device.name} has {device.max_shared_mem} per "
                 f"block; use float16/bfloat16 inputs or backend='reference'")
 

@@ -242,9 +242,10 @@ class Registry:
         if len(lines) == 2:
             lines.append("  (none)")
         lines.append(
-            "Install a backend package for this device (pagedprefill-sm80, pagedprefill-bi100, "
-            "pagedprefill-generic), move the tensors to a supported device, or choose one explicitly with "
-            f"backend=... or {ENV_BACKEND}=name[,name...]."
+            "Install the backend packages for this device from the repository's packages/ folder (pip install "
+            "\"./packages/core[triton]\" ./packages/backend-generic, plus ./packages/backend-sm80 on NVIDIA or "
+            "./packages/backend-bi100 on Iluvatar), move the tensors to a supported device, or choose one "
+            f"explicitly with backend=... or {ENV_BACKEND}=name[,name...]."
         )
         return "\n".join(lines)
 

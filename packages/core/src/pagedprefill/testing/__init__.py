@@ -7,9 +7,10 @@ needs pytest and is imported on first access; the rest works without it.
 
 from .batches import BatchSpec, fresh_output, make_problem, with_output
 from .cases import CASES, DEFAULT_TOLERANCES, assert_matches_reference, case_spec, random_spec
+from .sdpa import sdpa_float64
 
 __all__ = ["CASES", "DEFAULT_TOLERANCES", "BatchSpec", "ConformanceSuite", "assert_matches_reference",
-           "case_spec", "fresh_output", "make_problem", "random_spec", "with_output"]
+           "case_spec", "fresh_output", "make_problem", "random_spec", "sdpa_float64", "with_output"]
 
 
 def __getattr__(name):

@@ -15,6 +15,7 @@ import torch
 
 from ..cache import allocate_cache, fp8_scale_for, quantize_fp8
 from ..types import AttentionOptions, BatchMetadata, KVCacheDType, PrefillProblem
+from ..validation import dtype_name
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class BatchSpec:
     def describe(self) -> str:
         parts = [f"q={list(self.query_lens)}", f"ctx={list(self.context_lens)}",
                  f"H={self.num_heads}/{self.num_kv_heads}", f"D={self.head_size}", f"bs={self.block_size}",
-                 str(self.dtype).replace("torch.", ""), self.layout]
+                 dtype_name(self.dtype), self.layout]
         if self.kv_cache_dtype != "auto":
             parts.append(self.kv_cache_dtype)
         for flag in ("alibi", "sinks", "scale_as_tensor"):

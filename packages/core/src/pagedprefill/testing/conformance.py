@@ -6,7 +6,9 @@ A backend's tests subclass :class:`ConformanceSuite`::
 
     class TestMyBackend(ConformanceSuite):
         backend = "mybackend"
-        exclusions = {"fp8_e4m3": "this hardware has no FP8"}   # declared, reported as skips
+        # declared, reported as skips with the reason:
+        excluded_kv_cache_dtypes = {"fp8_e4m3": "no FP8 on this hardware", "fp8_e5m2": "no FP8 on this hardware"}
+        exclusions = {"head_size_256": "no tile fits head size 256"}   # single cases, by name
 
 Options (registered by the pytest plugin): ``--pagedprefill-device`` (default: ``cuda`` when present,
 else ``cpu``), ``--pagedprefill-size`` (``small`` for the interpreter, ``large`` for GPUs),
@@ -23,7 +25,7 @@ import torch
 from ..api import get_registry
 from ..backends.triton_base import TritonBackend
 from ..device import DeviceInfo, interpreter_enabled
-from ..types import PrefillProblem
+from ..types import KVCacheDType, PrefillProblem
 from ..validation import validate_problem
 from .batches import BatchSpec, make_problem
 from .cases import BASE, CASES, DEFAULT_TOLERANCES, assert_matches_reference, case_spec, random_spec
@@ -35,6 +37,9 @@ class ConformanceSuite:
     backend: str = "reference"
     #: case name -> reason; such cases are reported as skipped with the reason.
     exclusions: dict[str, str] = {}
+    #: KV cache dtype (``"fp8_e4m3"``, ``"fp8_e5m2"``; ``"fp8"`` means e4m3) -> reason: every case and sweep
+    #: problem whose cache has that dtype is skipped with the reason, whatever the case is called.
+    excluded_kv_cache_dtypes: dict[str, str] = {}
     tolerances: dict = DEFAULT_TOLERANCES
     seeds: tuple[int, ...] = (0, 1)
 
@@ -57,10 +62,17 @@ class ConformanceSuite:
     def _skip_reason(self, spec: BatchSpec, device: torch.device, case: Optional[str] = None) -> Optional[str]:
         if case is not None and case in self.exclusions:
             return f"excluded for backend {self.backend!r}: {self.exclusions[case]}"
+        cache_reason = self._excluded_cache_dtypes().get(KVCacheDType.parse(spec.kv_cache_dtype))
+        if cache_reason:
+            return f"excluded for backend {self.backend!r} (kv_cache_dtype={spec.kv_cache_dtype!r}): {cache_reason}"
         if spec.dtype == torch.bfloat16 and device.type == "cpu" and interpreter_enabled() \
                 and self.backend != "reference":
             return "bf16 tl.dot is not supported by Triton's CPU interpreter; covered on the GPU"
         return None
+
+    def _excluded_cache_dtypes(self) -> dict[KVCacheDType, str]:
+        """:attr:`excluded_kv_cache_dtypes` with its keys parsed (a misspelt key fails with the accepted ones)."""
+        return {KVCacheDType.parse(name): reason for name, reason in self.excluded_kv_cache_dtypes.items()}
 
     def _check(self, spec: BatchSpec, device: torch.device, label: str) -> None:
         problem = make_problem(spec, device)
@@ -80,7 +92,8 @@ class ConformanceSuite:
     def test_cache_offsets_beyond_int32(self, pagedprefill_device):
         """Blocks whose element offsets pass 2**31 are addressed correctly (64-bit offset arithmetic)."""
         if pagedprefill_device.type == "cpu":
-            pytest.skip("needs a ~9 GB cache: run on a GPU (nox -s generic/sm80/bi100)")
+            pytest.skip(f"needs a ~9 GB cache: run backend {self.backend!r}'s conformance tests on a GPU "
+                        "(--pagedprefill-device=cuda)")
         free, _ = torch.cuda.mem_get_info(pagedprefill_device)
         if free < 12 * 2**30:
             pytest.skip(f"needs 12 GiB of free GPU memory, {free / 2**30:.1f} GiB free")

@@ -8,7 +8,8 @@ that has it: for testing a backend's ``pagedprefill_detect_device`` hook and sel
     with described_device("xpu", name="Contoso X1", triton_backend="xpu", max_shared_mem=64 * 1024):
         info = pagedprefill.DeviceInfo.detect("xpu:0")     # through every installed plugin's hook
 
-Inside the block, ``torch.get_device_module(type).get_device_properties`` answers with the description,
+Inside the block, ``torch.get_device_module(type)`` reports one available device (``is_available``,
+``device_count``) whose ``get_device_properties`` answers with the description,
 and (when ``triton_backend`` is given) Triton's active driver serves the device type with that target.
 The process registry is reset on entry and exit, so no detection is answered from before or kept after.
 """
@@ -56,8 +57,11 @@ def described_device(device_type: str, *, name: str, triton_backend: Optional[st
                             warp_size=0 if triton_backend else warp_size,
                             shared_memory_per_block_optin=0 if triton_backend else max_shared_mem)
     module = torch.get_device_module(device_type)
-    saved = module.__dict__.get("get_device_properties")
-    module.get_device_properties = lambda device=None: props
+    replaced = {"get_device_properties": lambda device=None: props, "is_available": lambda: True,
+                "device_count": lambda: 1}
+    saved = {attr: module.__dict__.get(attr) for attr in replaced}
+    for attr, fn in replaced.items():
+        setattr(module, attr, fn)
     driver = previous = None
     if triton_backend is not None:
         from triton.runtime import driver
@@ -70,10 +74,11 @@ def described_device(device_type: str, *, name: str, triton_backend: Optional[st
     try:
         yield
     finally:
-        if saved is None:
-            del module.get_device_properties
-        else:
-            module.get_device_properties = saved
+        for attr, fn in saved.items():
+            if fn is None:
+                delattr(module, attr)
+            else:
+                setattr(module, attr, fn)
         if driver is not None:
             driver.set_active(previous)
         reset_registry()

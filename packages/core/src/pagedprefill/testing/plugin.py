@@ -1,4 +1,5 @@
-"""pytest plugin (entry point ``pytest11``): options and fixtures of the conformance suite."""
+"""pytest plugin (entry point ``pytest11``): options and fixtures of the conformance suite, and a filter for
+the one warning Triton's CPU interpreter floods test output with."""
 
 from __future__ import annotations
 
@@ -6,6 +7,18 @@ import pytest
 import torch
 
 from .batches import BatchSpec, make_problem
+
+#: Triton's CPU interpreter converts 1-element numpy arrays to ints in a way NumPy >= 1.25 deprecates, once
+#: per indexed element: tens of thousands of identical warnings per run that say nothing about the code under
+#: test. Only that warning, and only from the interpreter, is ignored; ``-W`` on the command line still wins.
+TRITON_INTERPRETER_WARNING = (
+    "ignore:Conversion of an array with ndim > 0 to a scalar is deprecated:DeprecationWarning:"
+    "triton.runtime.interpreter"
+)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("filterwarnings", TRITON_INTERPRETER_WARNING)
 
 
 def pytest_addoption(parser):

@@ -1,0 +1,230 @@
+"""The ``pagedprefill`` command as a user runs it: ``python -m pagedprefill ...`` in a subprocess.
+
+Every mistake a user can make on the command line is one line on stderr that says what to do, with exit
+status 2 and no traceback; the help is plain text; the demo checks against an independent computation.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from pagedprefill.cli import main, one_line
+
+TIMEOUT = 300
+#: Variables that change what the command selects; removed so that each test sets what it needs.
+SELECTION_ENV = ("PAGEDPREFILL_BACKEND", "PAGEDPREFILL_VENDOR", "PAGEDPREFILL_LAZY_SELECT", "TRITON_INTERPRET")
+
+
+def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if k not in SELECTION_ENV}
+    return subprocess.run([sys.executable, "-m", "pagedprefill", *args], capture_output=True, text=True,
+                          env={**clean, **env}, timeout=TIMEOUT)
+
+
+def assert_user_error(proc: subprocess.CompletedProcess, command: str, *fragments: str) -> str:
+    """Exit status 2, no traceback, and exactly one line on stderr naming the command and the fragments."""
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, f"exit status {proc.returncode}:\n{output}"
+    assert "Traceback" not in output, output
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{proc.stderr}"
+    assert lines[0].startswith(f"pagedprefill {command}: error: "), lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: these are CPU-machine errors")
+
+
+@no_gpu
+def test_backend_that_cannot_run_here():
+    if importlib.util.find_spec("pagedprefill_sm80") is None:
+        pytest.skip("pagedprefill-sm80 is not installed (install ./packages/backend-sm80)")
+    line = assert_user_error(run_cli("demo", "--backend", "sm80"), "demo",
+                             "backend 'sm80' was requested but cannot run on", "runs on GPUs only",
+                             "leave out --backend to choose automatically")
+    assert "pagedprefill info" in line
+
+
+def test_backend_that_is_not_installed():
+    assert_user_error(run_cli("demo", "--backend", "nonexistent"), "demo",
+                      "backend 'nonexistent' was requested but is not installed", "discovered backends: ",
+                      "reference", "leave out --backend")
+
+
+def test_environment_names_no_usable_backend():
+    assert_user_error(run_cli("demo", PAGEDPREFILL_BACKEND="nonexistent"), "demo",
+                      "PAGEDPREFILL_BACKEND='nonexistent' names no backend that can run on",
+                      "nonexistent: backend 'nonexistent' was requested but is not installed",
+                      "Unset PAGEDPREFILL_BACKEND to choose automatically.")
+
+
+@no_gpu
+@pytest.mark.parametrize("command", ["demo", "info"])
+def test_cuda_device_without_a_gpu(command):
+    line = assert_user_error(run_cli(command, "--device", "cuda"), command, "argument --device: cuda: ",
+                             "or use --device cpu")
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        assert f"this torch ({torch.__version__}) is built without CUDA; install a CUDA build of torch" in line
+    else:
+        assert "no CUDA device is visible" in line
+
+
+@pytest.mark.parametrize("command", ["demo", "info"])
+def test_unknown_device_string(command):
+    assert_user_error(run_cli(command, "--device", "gpu7"), command,
+                      "argument --device: expected a torch device such as cpu, cuda or cuda:1, got 'gpu7'")
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "two"])
+def test_repeats_must_be_positive(value):
+    shown = value if value == "two" else str(int(value))
+    assert_user_error(run_cli("demo", "--repeats", value), "demo", "argument --repeats: expected a whole number >= 1",
+                      f"got {shown!r}" if value == "two" else f"got {shown}", "see 'pagedprefill demo --help'")
+
+
+def test_tune_head_size_must_be_positive():
+    assert_user_error(run_cli("tune", "--head-size", "0"), "tune", "argument --head-size: expected a whole number")
+
+
+def test_unknown_described_device():
+    assert_user_error(run_cli("info", "--describe", "nosuchgpu"), "info", "--describe: expected one of ", "h200",
+                      "got 'nosuchgpu'")
+
+
+def test_missing_command():
+    proc = run_cli()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines() == [
+        "pagedprefill: error: the following arguments are required: COMMAND (see 'pagedprefill --help')"]
+
+
+def test_help_is_plain_text_and_says_who_provides_what():
+    proc = run_cli("--help")
+    assert proc.returncode == 0, proc.stderr
+    for markup in ("``", ":class:", ":func:", ".. "):
+        assert markup not in proc.stdout, f"{markup!r} in the help:\n{proc.stdout}"
+    text = " ".join(proc.stdout.split())
+    assert "Core provides info, demo, bench and tune" in text
+    for command in ("info", "demo", "bench", "tune"):
+        assert re.search(rf"^\s+{command}\s+\S", proc.stdout, re.M), f"{command} not listed:\n{proc.stdout}"
+
+
+def test_tune_help_documents_backend_and_device_with_defaults():
+    proc = run_cli("tune", "--help")
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert "--backend BACKEND backend whose declared search space is swept" in text
+    assert "(default: sm80)" in text
+    assert "--device DEVICE CUDA device to tune on (default: the current one)" in text
+    assert "(default: 64 128)" in text and "(default: bf16)" in text
+
+
+def test_demo_compares_with_an_independent_float64_computation():
+    """On a CPU the demo runs the reference backend: it must not be compared with itself."""
+    proc = run_cli("demo", "--device", "cpu", "--repeats", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    match = re.search(r"max abs error vs float64 torch scaled_dot_product_attention \(independent of the "
+                      r"backends\): (\S+) \(tolerance (\S+)\) -> OK", proc.stdout)
+    assert match, proc.stdout
+    err, tol = float(match.group(1)), float(match.group(2))
+    # float32 against float64: a real, small difference (a comparison with itself would give exactly 0)
+    assert 0 < err <= tol, proc.stdout
+
+
+def test_info_says_what_triton_none_means():
+    proc = run_cli("info", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    device_line = next(line for line in proc.stdout.splitlines() if line.startswith("device: "))
+    assert "unavailable" not in device_line
+    if importlib.util.find_spec("triton") is None:
+        assert "triton=none (Triton is not installed)" in device_line
+    else:
+        assert "triton=none (Triton is installed but has no CPU driver; TRITON_INTERPRET=1 runs its interpreter)" \
+            in device_line
+
+
+def test_info_into_a_closed_pipe_ends_quietly(monkeypatch):
+    """``pagedprefill info | head -1``: the reader stops early; the command ends without a traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write now fails with EPIPE, as once `head` has exited
+    stdout = open(write_end, "w", buffering=1)
+    monkeypatch.setattr(sys, "stdout", stdout)
+    try:
+        assert main(["info", "--device", "cpu"]) == 1
+    finally:
+        monkeypatch.undo()
+        stdout.close()
+
+
+def test_one_line_joins_a_list_of_reasons():
+    message = "no backend can run on x.\nDiscovered backends:\n  - a: why a\n  - b: why b\nInstall one."
+    assert one_line(message) == "no backend can run on x. Discovered backends: a: why a; b: why b; Install one."
+
+
+def test_describe_says_why_triton_has_no_target(monkeypatch):
+    """``triton=`` in ``info``, ``demo`` and error messages tells a missing Triton from a missing driver."""
+    import pagedprefill.device as device_module
+    from pagedprefill import DeviceInfo
+
+    cpu = DeviceInfo(type="cpu", vendor="cpu", name="test cpu")
+    other = DeviceInfo(type="xpu", vendor="testvendor", name="Test XPU", index=0)
+    monkeypatch.setattr(device_module, "triton_installed", lambda: False)
+    assert cpu.describe() == "test cpu (cpu), vendor=cpu, triton=none (Triton is not installed)"
+    monkeypatch.setattr(device_module, "triton_installed", lambda: True)
+    assert cpu.describe().endswith(
+        ", triton=none (Triton is installed but has no CPU driver; TRITON_INTERPRET=1 runs its interpreter)")
+    assert other.describe().endswith(", triton=none (Triton is installed but has no driver for xpu)")
+    interpreted = DeviceInfo(type="cpu", vendor="cpu", name="test cpu", triton_backend="interpreter")
+    assert interpreted.describe() == "test cpu (cpu), vendor=cpu, triton=interpreter"
+
+
+HIDE_NUMPY = '''
+import sys
+
+
+class _HideNumpy:
+    """Import hook: numpy is absent, as after `pip install ./packages/core` (the reference-only install)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy" or name.startswith("numpy."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
+sys.meta_path.insert(0, _HideNumpy())
+'''
+
+
+@pytest.fixture(scope="module")
+def without_numpy(tmp_path_factory) -> dict:
+    """An environment whose interpreters cannot import numpy (through a sitecustomize import hook)."""
+    site = tmp_path_factory.mktemp("no_numpy")
+    (site / "sitecustomize.py").write_text(HIDE_NUMPY)
+    env = {k: v for k, v in os.environ.items() if k not in SELECTION_ENV}
+    env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")])])
+    probe = subprocess.run([sys.executable, "-c", "import numpy"], capture_output=True, text=True, env=env,
+                           timeout=TIMEOUT)
+    assert probe.returncode != 0 and "No module named 'numpy'" in probe.stderr, "numpy is not hidden"
+    return env
+
+
+@pytest.mark.parametrize("args", [["-c", "import pagedprefill"], ["-m", "pagedprefill", "info", "--device", "cpu"]],
+                         ids=["import", "info"])
+def test_no_numpy_warning_without_numpy(without_numpy, args):
+    """Without numpy, importing pagedprefill and running the command print no NumPy warning, even with every
+    UserWarning shown (the reference-only install needs no numpy)."""
+    control = subprocess.run([sys.executable, "-W", "always::UserWarning", "-c", "import torch"],
+                             capture_output=True, text=True, env=without_numpy, timeout=TIMEOUT)
+    if "Failed to initialize NumPy" not in control.stderr:
+        pytest.skip(f"torch {torch.__version__} does not warn when numpy is missing: nothing to silence")
+    proc = subprocess.run([sys.executable, "-W", "always::UserWarning", *args], capture_output=True, text=True,
+                          env=without_numpy, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "NumPy" not in proc.stderr, proc.stderr

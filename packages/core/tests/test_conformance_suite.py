@@ -1,0 +1,92 @@
+"""The conformance suite's own behaviour, as a third-party backend meets it: declared exclusions of cache
+dtypes skip every case with such a cache, and skip reasons name the backend, not this repository's tools."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from pagedprefill.testing import CASES, ConformanceSuite, case_spec, random_spec
+
+CPU = torch.device("cpu")
+FP8_CASES = {name for name, changes in CASES.items() if changes.get("kv_cache_dtype", "auto") != "auto"}
+
+
+class NoFp8(ConformanceSuite):
+    backend = "reference"
+    excluded_kv_cache_dtypes = {"fp8": "no FP8 here (e4m3)", "fp8_e5m2": "no FP8 here (e5m2)"}
+
+
+def test_fp8_cases_are_the_ones_a_by_name_exclusion_would_miss():
+    """More cases than `fp8_e4m3` use an FP8 cache: excluding by name alone is not enough."""
+    assert FP8_CASES >= {"fp8_e4m3", "fp8_e5m2", "fp8_split_tensor_scales", "block_size_32_split_fp8"}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_excluded_cache_dtypes_skip_exactly_the_cases_with_that_cache(case):
+    spec = case_spec(case)
+    reason = NoFp8()._skip_reason(spec, CPU, case)
+    if case in FP8_CASES:
+        assert reason is not None and reason.startswith("excluded for backend 'reference' (kv_cache_dtype="), reason
+        assert "no FP8 here" in reason
+    else:
+        assert reason is None, reason
+
+
+def test_excluded_cache_dtypes_apply_to_the_random_sweep():
+    specs = [random_spec(1000 + seed) for seed in range(60)]
+    assert any(s.kv_cache_dtype != "auto" for s in specs) and any(s.kv_cache_dtype == "auto" for s in specs)
+    for spec in specs:
+        skipped = NoFp8()._skip_reason(spec, CPU) is not None
+        assert skipped == (spec.kv_cache_dtype != "auto"), spec.describe()
+
+
+def test_only_the_declared_cache_dtype_is_excluded():
+    class NoE5m2(ConformanceSuite):
+        backend = "reference"
+        excluded_kv_cache_dtypes = {"fp8_e5m2": "no e5m2"}
+
+    skipped = {case for case in CASES if NoE5m2()._skip_reason(case_spec(case), CPU, case)}
+    assert skipped == {"fp8_e5m2"}
+
+
+def test_a_misspelt_cache_dtype_is_an_error():
+    class Misspelt(ConformanceSuite):
+        backend = "reference"
+        excluded_kv_cache_dtypes = {"fp8_e3m4": "typo"}
+
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype: expected one of .*, got 'fp8_e3m4'$"):
+        Misspelt()._skip_reason(case_spec("basic"), CPU, "basic")
+
+
+THIRD_PARTY_TESTS = '''
+from pagedprefill.testing import ConformanceSuite
+
+
+class TestThirdParty(ConformanceSuite):
+    backend = "reference"
+    excluded_kv_cache_dtypes = {"fp8_e4m3": "no FP8 on this hardware", "fp8_e5m2": "no FP8 on this hardware"}
+'''
+
+
+def test_skip_reasons_seen_by_a_third_party_backend(tmp_path):
+    """Run the suite as another package would (its own directory, pytest -rs): FP8 cases are skipped with the
+    declared reason, and the GPU-only test names the backend, not sessions of this repository."""
+    (tmp_path / "test_third_party.py").write_text(textwrap.dedent(THIRD_PARTY_TESTS))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "TRITON_INTERPRET")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--pagedprefill-device=cpu",
+         "-k", "fp8 or offsets", str(tmp_path)], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert re.search(rf"\b{len(FP8_CASES) + 1} skipped\b", out), out
+    excluded = re.findall(r"SKIPPED \[(\d+)\] .*: excluded for backend 'reference' \(kv_cache_dtype='fp8\w*'\): "
+                          r"no FP8 on this hardware", out)
+    assert sum(int(n) for n in excluded) == len(FP8_CASES), out
+    assert "needs a ~9 GB cache: run backend 'reference''s conformance tests on a GPU" in out, out
+    assert "nox" not in out, out

@@ -1,0 +1,55 @@
+"""What a new user reads: the README and the backend guide say who provides what and how to install, and
+the template's exclusion example covers every case it means to exclude."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+README = REPO / "README.md"
+GUIDE = REPO / "docs" / "writing-a-backend.md"
+TEMPLATE = REPO / "docs" / "backend-template"
+
+pytestmark = pytest.mark.skipif(not GUIDE.is_file(), reason=f"no {GUIDE} (this checkout does not include docs/)")
+
+
+def _table_row(text: str, package: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith(f"| `{package}`"))
+
+
+def test_readme_credits_the_commands_to_core():
+    text = README.read_text()
+    assert "`info`, `demo`, `bench`, `tune`" in _table_row(text, "packages/core")
+    assert "`bench`/`tune`" not in _table_row(text, "packages/backend-sm80")
+    assert "install them from this repository's `packages/` folder, core\nfirst" in text
+
+
+def _before_first_editable_install(text: str) -> str:
+    return text[:text.index("pip install -e .")]
+
+
+@pytest.mark.parametrize("page", [GUIDE, TEMPLATE / "README.md"], ids=["guide", "template"])
+def test_backend_docs_install_core_before_the_backend(page):
+    """pip cannot find pagedprefill on an index: core from the repository must come first."""
+    before = _before_first_editable_install(page.read_text())
+    assert re.search(r'pip install "[^"]*packages/core\[triton\]"', before), page
+    assert "Could not find a version that satisfies the requirement pagedprefill>=0.1" in " ".join(before.split())
+
+
+def test_guide_excludes_fp8_by_cache_dtype_not_by_one_case_name():
+    text = GUIDE.read_text()
+    assert 'exclusions = {"fp8_e4m3":' not in text
+    assert "excluded_kv_cache_dtypes = {" in text
+    for case in ("fp8_e4m3", "fp8_e5m2", "fp8_split_tensor_scales", "block_size_32_split_fp8"):
+        assert f"`{case}`" in text, case
+
+
+def test_template_readme_names_the_description_among_what_to_rename():
+    text = (TEMPLATE / "README.md").read_text()
+    assert "`description` in `pyproject.toml`" in text
+    assert "(template)" not in (TEMPLATE / "src" / "pagedprefill_mybackend" / "backend.py").read_text()
+    assert 'description = f"Triton kernels tuned for {VENDOR} accelerators"' in \
+        (TEMPLATE / "src" / "pagedprefill_mybackend" / "backend.py").read_text()
