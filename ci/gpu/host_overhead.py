@@ -15,7 +15,7 @@ from pagedprefill.backends.triton_base import problem_shape
 from pagedprefill.device import DeviceInfo
 from pagedprefill.testing import BatchSpec, make_problem
 from pagedprefill.triton.kernel import prefix_prefill_kernel
-from pagedprefill.triton.launch import kernel_call, launch_prefill
+from pagedprefill.triton.launch import bind_launch, call_tensors, kernel_call, launch_prefill
 
 
 def per_call_us(fn, n=2000):
@@ -36,7 +36,23 @@ def main():
     info = DeviceInfo.detect(p.device)
     backend = select_backend(info)
     cfg = backend.tile_config(problem_shape(p), info)
-    grid, args, kwargs = kernel_call(p, cfg)
+    call = kernel_call(p, cfg)
+    bound = bind_launch(p, cfg)
+    plans = {}
+
+    def tsig(t):
+        return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
+
+    def signature(pr):
+        c, b, o = pr.cache, pr.batch, pr.options
+        return (tsig(pr.q), tsig(pr.k), tsig(pr.v), tsig(pr.out), tsig(c.key), tsig(c.value), tsig(b.block_table),
+                tsig(b.query_start), tsig(b.seq_lens), tsig(b.context_lens), tsig(o.alibi_slopes), tsig(o.sinks),
+                c.layout, c.dtype, c.k_scale, c.v_scale, o.sm_scale, o.sliding_window, o.softcap, b.max_query_len)
+
+    plans[signature(p)] = bound
+
+    def planned():
+        plans[signature(p)](call_tensors(p))
     c, b = p.cache, p.batch
     drop_in = lambda: pp.context_attention_fwd(p.q, p.k, p.v, p.out, "auto", c.key, c.value, b.block_table,  # noqa: E731
                                                b.query_start, b.seq_lens, b.context_lens, 4)
@@ -44,7 +60,9 @@ def main():
         "context_attention_fwd": per_call_us(drop_in),
         f"{backend.name} backend.run": per_call_us(lambda: backend.run(p, info)),
         "launch_prefill": per_call_us(lambda: launch_prefill(p, cfg)),
-        "bare Triton launch": per_call_us(lambda: prefix_prefill_kernel[grid](*args, **kwargs)),
+        "bare Triton launch": per_call_us(lambda: prefix_prefill_kernel[call.grid](*call.args, **call.kwargs)),
+        "BoundLaunch": per_call_us(lambda: bound(call_tensors(p))),
+        "signature+lookup+BoundLaunch": per_call_us(planned),
     }
     for name, us in rows.items():
         print(f"host overhead {spec.layout:<5} {name:<28} {us:7.1f} us/call")

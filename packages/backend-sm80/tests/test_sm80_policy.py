@@ -8,6 +8,7 @@ from pagedprefill import DeviceInfo, select_backend
 from pagedprefill.tiling import ProblemShape, TileConfig
 from pagedprefill.tuning import forget_tables, table_key, user_table_path
 from pagedprefill_sm80 import Sm80Backend, sm80_policy
+from pagedprefill_sm80.policy import rule_config
 
 
 @pytest.fixture(autouse=True)
@@ -74,5 +75,10 @@ def test_user_tuned_table_takes_precedence(tmp_path, monkeypatch):
 def test_search_space_fits_and_is_declared():
     shape = ProblemShape(128, 32, 8, torch.bfloat16, num_tokens=4096, num_seqs=4)
     space = Sm80Backend().search_space(shape, L40)
-    assert len(space) >= 8
+    assert len(space) >= 4 and len(set(space)) == len(space)
     assert all(c.fits(128, 2, L40) for c in space)
+    assert {c.heads_per_tile for c in space} == {1, 2}  # packed and unpacked GQA for a long workload
+    h200 = Sm80Backend().search_space(shape, H200)
+    # small enough that the default keys tune in minutes (each candidate is a compile of a few seconds)
+    assert 8 <= len(h200) <= 20
+    assert sm80_policy(shape, H200) in h200 or rule_config(shape, H200) in h200

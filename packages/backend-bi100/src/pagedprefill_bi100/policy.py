@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import Optional
 
 from pagedprefill.device import DeviceInfo
-from pagedprefill.tiling import ProblemShape, TileConfig, next_power_of_2, shrink_to_fit
+from pagedprefill.tiling import ProblemShape, TileConfig, launch_grid, next_power_of_2, shrink_to_fit
 
 from .device_table import MAX_STAGES, DeviceLimits, device_limits
 
@@ -66,9 +66,8 @@ def packed_heads(shape: ProblemShape, block_m: int) -> int:
 
 
 def _num_programs(shape: ProblemShape, block_m: int, heads: int) -> int:
-    tokens_per_tile = max(1, block_m // heads)
-    chunks = -(-shape.group_size // heads)
-    return (shape.num_tokens // tokens_per_tile + shape.num_seqs) * shape.num_kv_heads * chunks
+    tiles, heads_dim = launch_grid(shape, TileConfig(block_m=block_m, heads_per_tile=min(heads, block_m)))
+    return tiles * heads_dim
 
 
 def rows_for(shape: ProblemShape, block_m: int, heads: int, limits: DeviceLimits) -> int:

@@ -4,8 +4,10 @@ Lookup order for a problem key (see :func:`pagedprefill.tuning.table_key`):
 
 1. the user's table written by ``pagedprefill tune`` on this GPU (:func:`pagedprefill.tuning.user_table_path`);
 2. the table shipped in this package (``tuned/<capability>.json``), measured by the maintainers;
-3. rules: large tiles with 8 warps for head sizes up to 128 on 16-bit data, GQA packing for short queries,
-   pipelining depth from the device's shared memory.
+3. rules, drawn from the H200 measurements behind ``tuned/sm90.json``: 128-row tiles (two warpgroups, so
+   Hopper's warpgroup MMA is used), 64 keys per step, page-wise cache addressing, query heads of a KV group
+   packed two per tile (four for short queries) so each K/V tile serves several heads, and pipelining
+   depth from the device's shared memory.
 
 Every result goes through :func:`pagedprefill.tiling.shrink_to_fit` against the device's shared memory,
 so sm80 (163 KiB), sm86/sm89 (99 KiB) and sm90 (227 KiB) parts all get tiles they can hold.
@@ -30,11 +32,14 @@ def rule_config(shape: ProblemShape, device: DeviceInfo) -> TileConfig:
     """The rule used when no table has the key."""
     d = shape.head_size_padded
     wide = shape.element_size <= 2
-    block_m = 128 if wide and d <= 128 else 64
-    block_n = 64 if d <= 128 else 32
-    warps = 8 if block_m == 128 else 4
-    stages = 3 if device.max_shared_mem >= 160 * 1024 else 2
-    heads = min(shape.group_size, block_m // 16) if shape.workload == "short" else 1
+    block_m = 128 if wide else 64
+    block_n = 64 if d <= 128 or wide else 32
+    warps = 4 if (d <= 64 or block_m == 64) else 8
+    stages = 3 if device.max_shared_mem >= 160 * 1024 and d <= 128 else 2
+    if shape.workload == "short":
+        heads = min(shape.group_size, 4)
+    else:
+        heads = min(shape.group_size, 2) if d == 128 else 1
     return TileConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
                       heads_per_tile=max(1, heads))
 
@@ -48,15 +53,20 @@ def sm80_policy(shape: ProblemShape, device: DeviceInfo) -> TileConfig:
 
 
 def search_space(shape: ProblemShape, device: DeviceInfo) -> list[TileConfig]:
-    """Candidates for ``pagedprefill tune``: tile sizes, warps, stages and GQA packing that fit the device."""
-    out = []
+    """Candidates for ``pagedprefill tune``: the tiles that won somewhere on the H200 or that the rules pick,
+    with and without GQA packing, that fit the device. Kept small (each candidate costs a compile of a few
+    seconds), so that the default keys tune in minutes."""
     group = shape.group_size
-    for block_m, warps in ((64, 4), (128, 4), (128, 8)):
-        for block_n in (32, 64, 128):
-            for stages in (2, 3):
-                for heads in sorted({1, min(group, block_m // 16)}):
-                    cfg = TileConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
-                                     heads_per_tile=heads)
-                    if cfg.fits(shape.head_size, shape.element_size, device):
-                        out.append(cfg)
+    heads = sorted({1, min(group, 4 if shape.workload == "short" else 2)})
+    shapes = [(128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3),
+              (128, 32, 4, 2), (64, 32, 4, 3)]  # the last two for parts with less shared memory (sm86, sm89)
+    out = []
+    for block_m, block_n, warps, stages in shapes:
+        for h in heads:
+            cfg = TileConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, heads_per_tile=h)
+            if cfg.fits(shape.head_size, shape.element_size, device) and cfg not in out:
+                out.append(cfg)
+    rule = rule_config(shape, device)
+    if rule not in out and rule.fits(shape.head_size, shape.element_size, device):
+        out.append(rule)
     return out

@@ -1,10 +1,16 @@
 """``pagedprefill bench``: a workload suite timed on the current device, with peers measured in the same run.
 
-For each workload the selected backends and the peers run on the same data: the reference, and torch's
-scaled_dot_product_attention (each of its fused backends that accepts the call: flash, cuDNN, efficient)
-on the cached K/V gathered into contiguous tensors beforehand (the gather is not timed). Times are
+For each workload the selected backends run through the public dispatch, on each cache layout asked for
+(``split``: the classic 5-D K / 4-D V; ``nhd``), and the peers run on the same data: the reference, and
+torch's scaled_dot_product_attention (each of its fused backends that accepts the call: flash, cuDNN,
+efficient) on the cached K/V gathered into contiguous tensors beforehand (the gather is not timed). Times are
 medians of repeated device-event timings. FLOPs are ``4 * D * H * attended (query, key) pairs``, with the
-causal and window parts counted exactly.
+causal and window parts counted exactly. Each backend's first call per workload and layout is timed on its
+own (it includes compiling the kernel's specialisation unless Triton's cache already holds it).
+
+The host-overhead row times 2000 calls on a tiny batch without synchronising (so the host is the limit):
+the public drop-in ``context_attention_fwd``, against a bare Triton launch of the same kernel with its
+arguments prepared once (what a hand-written launch of such a kernel costs).
 """
 
 from __future__ import annotations
@@ -123,9 +129,13 @@ def sdpa_peers(problem: PrefillProblem) -> dict[str, Callable[[], object]]:
     return peers
 
 
+def _layouts_label(name: str, layout: str, layouts) -> str:
+    return f"{name} {layout}" if len(layouts) > 1 else name
+
+
 def run_suite(backends: list[str], workloads: list[Workload], device: torch.device, reps: int = 100,
-              with_reference: bool = True, progress=None) -> list[dict]:
-    """Time every backend and peer on every workload; return one row per (workload, implementation)."""
+              with_reference: bool = True, progress=None, layouts=("split", "nhd")) -> list[dict]:
+    """Time every backend (on every layout) and peer on every workload; one row per (workload, implementation)."""
     from .api import dispatch, get_registry
     from .device import DeviceInfo
 
@@ -135,57 +145,116 @@ def run_suite(backends: list[str], workloads: list[Workload], device: torch.devi
     for i, wl in enumerate(workloads):
         if progress:
             progress(f"[{i + 1}/{total}] {wl.name}")
-        problem = make_problem(wl.spec, device)
         f = flops(wl.spec)
-        impls: dict[str, Callable[[], object]] = {}
-        for name in backends:
-            backend = get_registry().get(name)
-            if backend.supports(info):
-                continue
-            try:
-                backend.check_problem(problem, info)
-            except Exception:
-                continue
-            impls[name] = (lambda b=backend, pr=problem: b.run(pr, info))
-        ours = dict(impls)
-        if with_reference:
-            impls["reference"] = lambda pr=problem: get_registry().get("reference").run(pr, info)
-        impls.update(sdpa_peers(problem))
-        for label, fn in impls.items():
-            fn()  # warm-up and compile, then one call alone for peak memory (do_bench allocates its own buffers)
-            accelerator.synchronize(device)
-            accelerator.reset_peak_memory_stats(device)
-            base_mem = accelerator.memory_allocated(device)
-            fn()
-            accelerator.synchronize(device)
-            peak = accelerator.max_memory_allocated(device) - base_mem
-            ms = _median_ms(fn, reps if label != "reference" else 10)
-            row = {"workload": wl.name, "impl": label, "ms": ms, "tflops": f / ms / 1e9,
-                   "peak_extra_mib": peak / 2**20, "note": wl.note}
-            if label in ours:
-                check = fresh_output(problem)
-                dispatch(check, backend=label)
-                ref = get_registry().get("reference")
-                expect = fresh_output(problem)
-                ref.run(expect, info)
-                row["max_abs_err"] = float((check.out.float() - expect.out.float()).abs().max())
-            rows.append(row)
-            if progress:
-                progress(f"    {label:<16} {ms:9.3f} ms {row['tflops']:8.1f} TFLOP/s")
-        del problem
-        accelerator.empty_cache(device)
+        for j, layout in enumerate(layouts):
+            problem = make_problem(wl.spec.replace(layout=layout), device)
+            impls: dict[str, Callable[[], object]] = {}
+            for name in backends:
+                backend = get_registry().get(name)
+                if backend.supports(info):
+                    continue
+                try:
+                    backend.check_problem(problem, info)
+                except Exception:
+                    continue
+                impls[_layouts_label(name, layout, layouts)] = (
+                    lambda n=name, pr=problem: dispatch(pr, backend=n))
+            ours = dict(impls)
+            if j == 0:  # the peers do not read the paged cache: once per workload
+                if with_reference:
+                    impls["reference"] = lambda pr=problem: get_registry().get("reference").run(pr, info)
+                impls.update(sdpa_peers(problem))
+            for label, fn in impls.items():
+                started = time.perf_counter()
+                fn()  # warm-up (and compile), then one call alone for peak memory (do_bench has its own buffers)
+                accelerator.synchronize(device)
+                first_call_s = time.perf_counter() - started
+                accelerator.reset_peak_memory_stats(device)
+                base_mem = accelerator.memory_allocated(device)
+                fn()
+                accelerator.synchronize(device)
+                peak = accelerator.max_memory_allocated(device) - base_mem
+                ms = _median_ms(fn, reps if label != "reference" else 10)
+                row = {"workload": wl.name, "impl": label, "ms": ms, "tflops": f / ms / 1e9,
+                       "peak_extra_mib": peak / 2**20, "note": wl.note}
+                if label in ours:
+                    row["first_call_s"] = first_call_s
+                    check = fresh_output(problem)
+                    dispatch(check, backend=label.split()[0])
+                    expect = fresh_output(problem)
+                    get_registry().get("reference").run(expect, info)
+                    row["max_abs_err"] = float((check.out.float() - expect.out.float()).abs().max())
+                rows.append(row)
+                if progress:
+                    first = f"  first call {first_call_s:.1f} s" if label in ours else ""
+                    progress(f"    {label:<16} {ms:9.3f} ms {row['tflops']:8.1f} TFLOP/s{first}")
+            del problem
+            accelerator.empty_cache(device)
     return rows
 
 
-def format_table(rows: list[dict]) -> str:
-    impls = list(dict.fromkeys(r["impl"] for r in rows))
+def host_overhead(device: torch.device, backend: str, layout: str = "split", calls: int = 2000) -> dict:
+    """Microseconds per call on a tiny batch, host-bound: the drop-in, and a bare launch of the same kernel.
+
+    The bare launch exists only for backends built on core's Triton kernel (None otherwise).
+    """
+    from . import api
+    from .api import get_registry
+    from .backends.triton_base import TritonBackend, problem_shape
+    from .device import DeviceInfo
+    from .testing.batches import BatchSpec
+
+    spec = BatchSpec(query_lens=(4, 3), context_lens=(16, 9), num_heads=32, num_kv_heads=8, head_size=128,
+                     block_size=16, dtype=torch.bfloat16, layout=layout)
+    p = make_problem(spec, device)
+    c, b = p.cache, p.batch
+
+    def drop_in():
+        api.context_attention_fwd(p.q, p.k, p.v, p.out, "auto", c.key, c.value, b.block_table, b.query_start,
+                                  b.seq_lens, b.context_lens, 4, backend=backend)
+
+    def per_call_us(fn) -> float:
+        for _ in range(20):
+            fn()
+        accelerator.synchronize(device)
+        started = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        accelerator.synchronize(device)
+        return (time.perf_counter() - started) / calls * 1e6
+
+    result = {"backend": backend, "layout": layout, "calls": calls, "drop_in_us": per_call_us(drop_in),
+              "bare_launch_us": None}
+    chosen = get_registry().get(backend)
+    if isinstance(chosen, TritonBackend):
+        from .triton.kernel import prefix_prefill_kernel
+        from .triton.launch import kernel_call
+
+        info = DeviceInfo.detect(device)
+        call = kernel_call(p, chosen.tile_config(problem_shape(p), info))
+        result["bare_launch_us"] = per_call_us(lambda: prefix_prefill_kernel[call.grid](*call.args, **call.kwargs))
+    return result
+
+
+def format_table(rows: list[dict], field: str = "tflops", fmt: str = "{:.1f}") -> str:
+    """A Markdown table: one line per workload, one column per implementation that has ``field``."""
+    impls = list(dict.fromkeys(r["impl"] for r in rows if field in r))
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     cell = {(r["workload"], r["impl"]): r for r in rows}
     head = "| workload | " + " | ".join(impls) + " |"
     lines = [head, "| --- |" + " ---: |" * len(impls)]
     for w in workloads:
-        vals = [f"{cell[(w, i)]['tflops']:.1f}" if (w, i) in cell else "-" for i in impls]
+        vals = [fmt.format(cell[(w, i)][field]) if field in cell.get((w, i), {}) else "-" for i in impls]
         lines.append(f"| {w} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
+def format_overhead(results: list[dict]) -> str:
+    lines = ["| backend | layout | drop-in context_attention_fwd | bare Triton launch, same kernel |",
+             "| --- | --- | ---: | ---: |"]
+    for r in results:
+        bare = "-" if r["bare_launch_us"] is None else f"{r['bare_launch_us']:.1f}"
+        lines.append(f"| {r['backend']} | {r['layout']} | {r['drop_in_us']:.1f} | {bare} |")
     return "\n".join(lines)
 
 
@@ -232,15 +301,30 @@ def cmd_bench(args) -> int:
     if args.only:
         suite = [w for w in suite if any(s.lower() in w.name.lower() for s in args.only)]
     start = time.time()
+    layouts = ("split", "nhd") if args.layout == "both" else (args.layout,)
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     rows = run_suite(backends, suite, device, reps=args.reps, with_reference=not args.no_reference,
-                     progress=lambda m: print(m, file=sys.stderr, flush=True))
+                     progress=say, layouts=layouts)
+    overhead = []
+    if not args.no_host_overhead:
+        for name in backends:
+            for layout in layouts:
+                say(f"host overhead: {name} {layout}")
+                overhead.append(host_overhead(device, name, layout))
     meta = {"device": info.describe(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-            "backends": backends, "commit": args.commit, "seconds": round(time.time() - start, 1)}
+            "backends": backends, "layouts": list(layouts), "commit": args.commit,
+            "seconds": round(time.time() - start, 1)}
     print(f"\n{meta['device']}, torch {meta['torch']}, {meta['date']}, commit {args.commit or '?'}")
+    print("\nTFLOP/s (median):\n")
     print(format_table(rows))
+    print("\nFirst call per workload (s, includes compiling unless cached):\n")
+    print(format_table(rows, "first_call_s", "{:.1f}"))
+    if overhead:
+        print("\nHost overhead, tiny batch, us per call (2000 calls, no synchronisation):\n")
+        print(format_overhead(overhead))
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+            json.dump({"meta": meta, "rows": rows, "host_overhead": overhead}, fh, indent=1)
     if args.png:
         plot(rows, args.png, f"pagedprefill bench: {info.name}, {meta['date']}")
     return 0
@@ -254,7 +338,10 @@ def register(sub) -> None:
     p.add_argument("--device", type=torch_device, default=None, help="CUDA device to time on (default: the current)")
     p.add_argument("--only", action="append", help="run workloads whose name contains this (repeatable)")
     p.add_argument("--reps", type=positive_int, default=200, help="do_bench repetition budget in ms (default 200)")
+    p.add_argument("--layout", choices=["split", "nhd", "both"], default="both",
+                   help="cache layout(s) the backends read (default: %(default)s)")
     p.add_argument("--no-reference", action="store_true", help="skip timing the reference implementation")
+    p.add_argument("--no-host-overhead", action="store_true", help="skip the host-overhead row")
     p.add_argument("--json", default="bench.json", help="write rows here (default bench.json)")
     p.add_argument("--png", default="bench.png", help="write a chart here (default bench.png)")
     p.add_argument("--commit", default=None, help="commit id to record with the results")

@@ -56,6 +56,7 @@ class ProblemShape:
     num_seqs: int = 1
     max_query_len: Optional[int] = None
     sliding_window: int = 0
+    layout: str = "nhd"
 
     @property
     def group_size(self) -> int:
@@ -95,9 +96,11 @@ class TileConfig:
             ``block_m // heads_per_tile`` tokens share a tile. 1 = one head per program.
         split_masks: run unmasked key tiles without mask arithmetic and masked tiles (diagonal, window
             edges, tails) separately. False applies every mask to every tile (smaller code).
-        pagewise: address cached keys page by page (one block-table read per page) when the block size is
-            a power of two that divides or is a multiple of ``block_n``; otherwise, or when False (the
-            default until its speed is measured), look the block table up per key.
+        pagewise: address cached keys page by page (one block-table read per page, the block size known to
+            the compiler) when the block size is a power of two that divides or is a multiple of ``block_n``
+            (:func:`settle` turns it off otherwise); False looks the block table up per key, for any block size.
+        fp32_dot: precision of the dots for float32 inputs: ``"ieee"`` (exact) or ``"tf32"`` (faster, about
+            1e-3 relative error); 16-bit inputs are unaffected.
     """
 
     block_m: int = 64
@@ -106,7 +109,8 @@ class TileConfig:
     num_stages: int = 1
     heads_per_tile: int = 1
     split_masks: bool = True
-    pagewise: bool = False
+    pagewise: bool = True
+    fp32_dot: str = "ieee"
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "num_warps"):
@@ -118,12 +122,15 @@ class TileConfig:
                              f"{self.block_n}")
         if self.num_stages < 1:
             raise ValueError(f"TileConfig.num_stages: expected >= 1, got {self.num_stages}")
+        if self.fp32_dot not in ("ieee", "tf32"):
+            raise ValueError(f"TileConfig.fp32_dot: expected 'ieee' or 'tf32', got {self.fp32_dot!r}")
         if not 1 <= self.heads_per_tile <= self.block_m:
             raise ValueError(f"TileConfig.heads_per_tile: expected 1..block_m={self.block_m}, "
                              f"got {self.heads_per_tile}")
 
     @property
     def tokens_per_tile(self) -> int:
+        """New tokens per tile: ``block_m`` rows hold this many tokens of ``heads_per_tile`` heads each."""
         return self.block_m // self.heads_per_tile
 
     def shared_mem_bytes(self, head_size: int, element_size: int) -> int:
@@ -145,7 +152,7 @@ class TileConfig:
     def to_dict(self) -> dict:
         return {"block_m": self.block_m, "block_n": self.block_n, "num_warps": self.num_warps,
                 "num_stages": self.num_stages, "heads_per_tile": self.heads_per_tile,
-                "split_masks": self.split_masks, "pagewise": self.pagewise}
+                "split_masks": self.split_masks, "pagewise": self.pagewise, "fp32_dot": self.fp32_dot}
 
 
 @runtime_checkable
@@ -155,9 +162,37 @@ class TilingPolicy(Protocol):
     def __call__(self, shape: ProblemShape, device: DeviceInfo) -> TileConfig: ...
 
 
+def pagewise_possible(block_size: int, block_n: int) -> bool:
+    """Whether page-wise addressing serves this block size: a power of two dividing, or a multiple of,
+    ``block_n`` (so that a key tile covers whole pages or lies inside one)."""
+    return block_size & (block_size - 1) == 0 and (block_n % block_size == 0 or block_size % block_n == 0)
+
+
+def settle(config: TileConfig, shape: ProblemShape) -> TileConfig:
+    """The config as the kernel will run it for ``shape``: no more packed heads than the group has, and
+    page-wise addressing only where the block size allows it. The launcher executes what this returns."""
+    heads = min(config.heads_per_tile, max(1, shape.group_size))
+    pagewise = config.pagewise and pagewise_possible(shape.block_size, config.block_n)
+    if heads != config.heads_per_tile or pagewise != config.pagewise:
+        config = config.with_(heads_per_tile=heads, pagewise=pagewise)
+    return config
+
+
+def launch_grid(shape: ProblemShape, config: TileConfig) -> tuple[int, int]:
+    """Programs of one launch: ``(tiles of new tokens, KV heads x chunks of their query heads)``.
+
+    Sequence ``s`` owns ``ceil(q_len / tokens_per_tile)`` tiles or one more; ``num_tokens // tokens_per_tile
+    + num_seqs`` covers any batch without reading lengths on the host (surplus programs exit at once).
+    """
+    heads = min(config.heads_per_tile, max(1, shape.group_size))
+    chunks = -(-shape.group_size // heads)
+    return shape.num_tokens // (config.block_m // heads) + shape.num_seqs, shape.num_kv_heads * chunks
+
+
 def shrink_to_fit(config: TileConfig, shape: ProblemShape, device: DeviceInfo,
                   budget: Optional[int] = None) -> TileConfig:
-    """Drop stages, then halve ``block_n``/``block_m`` until the config fits the shared-memory budget.
+    """Drop stages, then halve ``block_n``/``block_m`` until the config fits the shared-memory budget, and
+    :func:`settle` the result for the shape.
 
     The shared rule every policy ends with, so no policy can hand a kernel a tile the device cannot hold.
     ``budget`` defaults to the device's shared memory per block (48 KiB when unknown).
@@ -177,4 +212,4 @@ def shrink_to_fit(config: TileConfig, shape: ProblemShape, device: DeviceInfo,
             config = config.with_(num_stages=1)
         else:
             break
-    return config
+    return settle(config, shape)

@@ -21,20 +21,21 @@ from .testing.cases import DEFAULT_TOLERANCES, assert_matches_reference
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def representative_spec(head_size: int, dtype: torch.dtype, workload: str) -> BatchSpec:
-    base = BatchSpec(num_heads=32, num_kv_heads=8, head_size=head_size, block_size=16, dtype=dtype, spare_blocks=0)
+def representative_spec(head_size: int, dtype: torch.dtype, workload: str, layout: str = "nhd") -> BatchSpec:
+    base = BatchSpec(num_heads=32, num_kv_heads=8, head_size=head_size, block_size=16, dtype=dtype, spare_blocks=0,
+                     layout=layout)
     if workload == "short":
         return base.replace(query_lens=(64,) * 32, context_lens=tuple(1024 + 32 * i for i in range(32)))
     return base.replace(query_lens=(1024,) * 4, context_lens=(4096, 2048, 6144, 0))
 
 
-def check_spec(head_size: int, dtype: torch.dtype) -> BatchSpec:
+def check_spec(head_size: int, dtype: torch.dtype, layout: str = "nhd") -> BatchSpec:
     return BatchSpec(query_lens=(77, 1, 130, 5), context_lens=(300, 45, 0, 17), num_heads=8, num_kv_heads=2,
-                     head_size=head_size, block_size=16, dtype=dtype, seed=3)
+                     head_size=head_size, block_size=16, dtype=dtype, seed=3, layout=layout)
 
 
 def tune(backend_name: str, head_sizes, dtypes, workloads, device: torch.device, log=print,
-         on_key=None) -> dict:
+         on_key=None, layouts=("nhd",)) -> dict:
     import triton.testing
 
     from .api import get_registry
@@ -49,15 +50,18 @@ def tune(backend_name: str, head_sizes, dtypes, workloads, device: torch.device,
         raise ValueError(f"--backend: backend {backend_name!r} declares no search_space(), so there is nothing "
                          "to tune; choose a backend that does (sm80)")
     entries, report = {}, []
-    keys = [(d, t, w) for d in head_sizes for t in dtypes for w in workloads]
-    for i, (d, dt, wl) in enumerate(keys):
+    keys = [(d, t, w, lay) for d in head_sizes for t in dtypes for w in workloads for lay in layouts]
+    started = time.time()
+    for i, (d, dt, wl, layout) in enumerate(keys):
         dtype = DTYPES[dt]
-        problem = make_problem(representative_spec(d, dtype, wl), device)
-        check = make_problem(check_spec(d, dtype), device)
+        problem = make_problem(representative_spec(d, dtype, wl, layout), device)
+        check = make_problem(check_spec(d, dtype, layout), device)
         shape = problem_shape(problem)
         key = table_key(shape, info)
         candidates = backend.search_space(shape, info)
-        log(f"[{i + 1}/{len(keys)}] {key}: {len(candidates)} candidates")
+        elapsed = time.time() - started
+        eta = f", about {elapsed / i * (len(keys) - i):.0f} s left" if i else ""
+        log(f"[{i + 1}/{len(keys)}] {key}: {len(candidates)} candidates ({elapsed:.0f} s so far{eta})")
         best = None
         for j, cfg in enumerate(candidates):
             try:
@@ -101,10 +105,10 @@ def cmd_tune(args) -> int:
         save_table(path, info, merged, {"backend": args.backend, "date": time.strftime("%Y-%m-%d")})
 
     result = tune(args.backend, args.head_size, args.dtype, args.workload, device,
-                  log=lambda m: print(m, file=sys.stderr, flush=True), on_key=save)
+                  log=lambda m: print(m, file=sys.stderr, flush=True), on_key=save, layouts=args.layout)
     print(f"\ntuned {len(result['entries'])} keys in {time.time() - t0:.0f} s on {info.describe()}")
     for key, ms, cfg in result["report"]:
-        print(f"  {key:<28} {ms:8.3f} ms  {cfg.to_dict()}")
+        print(f"  {key:<32} {ms:8.3f} ms  {cfg.to_dict()}")
     print(f"table written to {path}")
     return 0
 
@@ -124,5 +128,7 @@ def register(sub) -> None:
                    help="query dtypes to tune (default: bf16)")
     p.add_argument("--workload", nargs="+", choices=["short", "long"], default=["long", "short"],
                    help="workload shapes to tune (default: long short)")
+    p.add_argument("--layout", nargs="+", choices=["nhd", "split"], default=["nhd"],
+                   help="cache layouts to tune; each is its own table key (default: nhd)")
     p.add_argument("--out", default=None, help="table path (default: the user table the policy reads)")
     p.set_defaults(func=cmd_tune)

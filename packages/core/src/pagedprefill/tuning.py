@@ -2,8 +2,19 @@
 
 A table is a JSON file ``{"device": ..., "entries": {key: TileConfig fields}}``. A backend ships one in its
 package (measured by its maintainers) and ``pagedprefill tune`` writes one for the present GPU into the
-user's cache directory; the user's table takes precedence. Keys (:func:`table_key`) are
-``"<capability>|d<padded head size>|<dtype>|<kv dtype>|<short|long>"``, e.g. ``"9.0|d128|bf16|auto|long"``.
+user's cache directory; the user's table takes precedence.
+
+Keys (:func:`table_key`) are ``"<capability>|d<padded head size>|<dtype>|<kv dtype>|<workload>|<layout>"``:
+
+* capability as ``major.minor`` (``9.0`` for H100/H200, ``8.0`` for A100, ``8.9`` for L40);
+* the head size padded to a power of two (``d64``, ``d128``, ``d256``; head size 96 uses ``d128``);
+* the query dtype ``bf16``, ``fp16`` or ``fp32``; the cache ``auto`` or ``fp8`` (both FP8 formats);
+* ``short`` when the batch's sequences bring at most 256 new tokens on average, else ``long``;
+* the cache layout ``nhd`` or ``split``.
+
+For example ``"9.0|d128|bf16|auto|long|nhd"``. A lookup falls back from ``fp8`` to ``auto`` and from a key
+with a layout to the same key without one (tables written before layouts were keyed). A table for another
+GPU (an A100 table is ``sm80.json`` with ``8.0|...`` keys) is made by ``pagedprefill tune`` on that GPU.
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ def table_key(shape: ProblemShape, device: DeviceInfo) -> str:
     dtype = _DTYPE_NAMES.get(str(shape.dtype), str(shape.dtype))
     kv = "auto" if shape.kv_cache_dtype == "auto" else "fp8"
     cap = f"{device.capability[0]}.{device.capability[1]}"
-    return f"{cap}|d{shape.head_size_padded}|{dtype}|{kv}|{shape.workload}"
+    return f"{cap}|d{shape.head_size_padded}|{dtype}|{kv}|{shape.workload}|{shape.layout}"
 
 
 def user_table_path(backend: str, device: DeviceInfo) -> Path:
@@ -73,10 +84,13 @@ def tables_state() -> tuple:
 
 
 def lookup(key: str, *tables: dict[str, TileConfig]) -> Optional[TileConfig]:
-    """The first table's entry for ``key``; then the same key with an FP8 cache read as ``auto``."""
+    """The first table's entry for ``key``; then the same key with an FP8 cache read as ``auto``; then each
+    of those without its layout."""
     candidates = [key]
     if "|fp8|" in key:
         candidates.append(key.replace("|fp8|", "|auto|"))
+    if key.count("|") == 5:
+        candidates += [c.rsplit("|", 1)[0] for c in candidates]
     for candidate in candidates:
         for table in tables:
             if candidate in table:

@@ -25,6 +25,7 @@ def problem_shape(problem: PrefillProblem) -> ProblemShape:
         num_seqs=problem.batch.num_seqs,
         max_query_len=problem.batch.max_query_len,
         sliding_window=problem.options.window,
+        layout=problem.cache.layout.value,
     )
 
 

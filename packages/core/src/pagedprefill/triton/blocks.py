@@ -133,10 +133,18 @@ def load_keys(ptrs, k_valid, d_mask, MASKED: tl.constexpr, EVEN_D: tl.constexpr)
 
 
 @triton.jit
-def load_values(ptrs, k_valid, d_mask, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
-    """An ``[N, D]`` value tile, masked like :func:`load_keys`."""
+def load_values(ptrs, k_valid, d_mask, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+                ZERO_AFTER_LOAD: tl.constexpr = False):
+    """An ``[N, D]`` value tile, masked like :func:`load_keys`.
+
+    ``ZERO_AFTER_LOAD`` (for tiles whose every address is known to be inside the tensor) loads the whole
+    tile and zeroes the invalid keys afterwards: a key mask varies along the slots, which in the split layout
+    is the contiguous direction, and would turn the copy into element-wise loads that are not pipelined.
+    """
     if MASKED:
         if EVEN_D:
+            if ZERO_AFTER_LOAD:
+                return tl.where(k_valid[:, None], tl.load(ptrs), 0.0)
             return tl.load(ptrs, mask=k_valid[:, None], other=0.0)
         return tl.load(ptrs, mask=k_valid[:, None] & d_mask[None, :], other=0.0)
     if EVEN_D:

@@ -65,7 +65,7 @@ def compile_for_target(problem: PrefillProblem, config: TileConfig, capability: 
     call = kernel_call(problem, config)
     if call is None:
         raise ValueError("problem: has nothing to compute (no tokens, sequences or heads)")
-    _, args, kwargs = call
+    args, kwargs = call.args, call.kwargs
     target = GPUTarget("cuda", capability, 32)
     backend = make_backend(target)
     bind = create_function_from_signature(kernel.signature, kernel.params, backend)

@@ -39,7 +39,7 @@ def _cache_phase(acc, m_i, l_i, q, q_pos, alibi2, start, end, kv_len, window, so
                  stride_vb, stride_vh, stride_vd, stride_vt,
                  X: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                  WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 PAGE_SIZE: tl.constexpr, EVEN_D: tl.constexpr):
+                 PAGE_SIZE: tl.constexpr, EVEN_D: tl.constexpr, SPLIT_CACHE: tl.constexpr):
     """Attend to cached positions ``[start, end)`` of the paged cache, ``BLOCK_N`` at a time.
 
     ``kv_len`` is how many positions the cache holds for the sequence; ``CAUSAL`` masks keys after each
@@ -63,7 +63,9 @@ def _cache_phase(acc, m_i, l_i, q, q_pos, alibi2, start, end, kv_len, window, so
                                         stride_kb, stride_kh, stride_kd, stride_kt, stride_kx,
                                         stride_vb, stride_vh, stride_vd, stride_vt, X)
         k = load_keys(K_cache + k_off, k_valid, d_mask, MASKED, EVEN_D)
-        v = load_values(V_cache + v_off, k_valid, d_mask, MASKED, EVEN_D)
+        # Cached addresses are always inside the cache (pages and slots are clamped), so masked split-layout
+        # tiles may load whole and zero the keys past the end.
+        v = load_values(V_cache + v_off, k_valid, d_mask, MASKED, EVEN_D, SPLIT_CACHE)
         s = logits(q, k.to(q.dtype), qk_scale, softcap, alibi2, q_pos, pos, SOFTCAP, ALIBI, DOT_PRECISION)
         if MASKED:
             s = tl.where(visible(q_pos, pos, k_valid, window, CAUSAL, WINDOW), s, float("-inf"))
@@ -211,21 +213,21 @@ def prefix_prefill_kernel(
                                  stride_ckb, stride_ckh, stride_ckd, stride_ckt, stride_ckx,
                                  stride_cvb, stride_cvh, stride_cvd, stride_cvt,
                                  X, BLOCK_N, True, CACHE_CAUSAL, WINDOW, SOFTCAP, ALIBI, DOT_PRECISION, PAGE_SIZE,
-                                 EVEN_D)
+                                 EVEN_D, SPLIT_CACHE)
     acc, m_i, l_i = _cache_phase(acc, m_i, l_i, q, q_pos, alibi2, a, b, kv_len, window, softcap,
                                  qk_scale_cache, K_cache, V_cache, block_row_ptr, stride_table_col, table_width,
                                  num_blocks, block_size, kv_head, offs_d, d_mask,
                                  stride_ckb, stride_ckh, stride_ckd, stride_ckt, stride_ckx,
                                  stride_cvb, stride_cvh, stride_cvd, stride_cvt,
                                  X, BLOCK_N, False, CACHE_CAUSAL, WINDOW, SOFTCAP, ALIBI, DOT_PRECISION, PAGE_SIZE,
-                                 EVEN_D)
+                                 EVEN_D, SPLIT_CACHE)
     acc, m_i, l_i = _cache_phase(acc, m_i, l_i, q, q_pos, alibi2, b, c_end, kv_len, window, softcap,
                                  qk_scale_cache, K_cache, V_cache, block_row_ptr, stride_table_col, table_width,
                                  num_blocks, block_size, kv_head, offs_d, d_mask,
                                  stride_ckb, stride_ckh, stride_ckd, stride_ckt, stride_ckx,
                                  stride_cvb, stride_cvh, stride_cvd, stride_cvt,
                                  X, BLOCK_N, True, CACHE_CAUSAL, WINDOW, SOFTCAP, ALIBI, DOT_PRECISION, PAGE_SIZE,
-                                 EVEN_D)
+                                 EVEN_D, SPLIT_CACHE)
     acc = acc * v_scale_v
 
     if not NEW_KV_IN_CACHE:

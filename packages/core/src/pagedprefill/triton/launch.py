@@ -23,7 +23,7 @@ import torch
 import triton
 
 from ..accelerator import device_guard
-from ..tiling import TileConfig, padded_head_size
+from ..tiling import ProblemShape, TileConfig, launch_grid, padded_head_size, settle
 from ..types import KVLayout, PrefillProblem
 from .kernel import prefix_prefill_kernel
 
@@ -123,9 +123,10 @@ def kernel_call(problem: PrefillProblem, config: TileConfig) -> Optional[KernelC
     if T == 0 or B == 0 or H == 0:
         return None
     group = H // p.num_kv_heads
-    heads_per_tile = min(config.heads_per_tile, group)
-    tokens_per_tile = config.block_m // heads_per_tile
-    head_chunks = triton.cdiv(group, heads_per_tile)
+    shape = ProblemShape(head_size=D, num_heads=H, num_kv_heads=p.num_kv_heads, dtype=q.dtype, num_tokens=T,
+                         num_seqs=B, block_size=p.cache.block_size)
+    config = settle(config, shape)  # a no-op for configs from a policy; raw configs (tests, sweeps) get the rule
+    head_chunks = triton.cdiv(group, config.heads_per_tile)
     d_pad = padded_head_size(D)
     key, value, x, ks, vs, k_align, v_align = _cache_geometry(p, d_pad)
     fp8 = p.cache.dtype.is_fp8
@@ -138,7 +139,6 @@ def kernel_call(problem: PrefillProblem, config: TileConfig) -> Optional[KernelC
     new_kv_in_cache = p.k is None
     table = p.batch.block_table
     bs = p.cache.block_size
-    pagewise = config.pagewise and bs & (bs - 1) == 0 and (config.block_n % bs == 0 or bs % config.block_n == 0)
     new_strides = (0, 0, 0, 0) if new_kv_in_cache else (p.k.stride(0), p.k.stride(1), p.v.stride(0), p.v.stride(1))
     tensors = call_tensors(p)
     tensors = tensors[:4] + (key, value) + tensors[6:]  # FP8 bytes as float8: the kernel converts them
@@ -151,17 +151,17 @@ def kernel_call(problem: PrefillProblem, config: TileConfig) -> Optional[KernelC
     )
     constexprs = dict(
         HEAD_SIZE=D, HEAD_SIZE_PADDED=d_pad, X=x,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEADS_PER_TILE=heads_per_tile,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEADS_PER_TILE=config.heads_per_tile,
         HEAD_CHUNKS=head_chunks, SPLIT_MASKS=config.split_masks, WINDOW=opts.window > 0,
         SOFTCAP=opts.softcap > 0, ALIBI=opts.alibi_slopes is not None, SINKS=opts.sinks is not None,
-        K_SCALE_PTR=k_from_ptr, V_SCALE_PTR=v_from_ptr, PAGE_SIZE=bs if pagewise else 0,
+        K_SCALE_PTR=k_from_ptr, V_SCALE_PTR=v_from_ptr, PAGE_SIZE=bs if config.pagewise else 0,
         SPLIT_CACHE=p.cache.layout is KVLayout.SPLIT, K_ALIGN=k_align, V_ALIGN=v_align,
         CAUSAL=causal, SKIP_DECODE=skip_decode, NEW_KV_IN_CACHE=new_kv_in_cache,
         OUT_SCALE=out_scale is not None, OUT_MAX=FP8_E4M3_MAX,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=config.fp32_dot if q.dtype == torch.float32 else "tf32",
     )
     options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
-    grid = (T // tokens_per_tile + B, p.num_kv_heads * head_chunks)
+    grid = launch_grid(shape, config)
     return KernelCall(grid, tensors, scalars, constexprs, options)
 
 
