@@ -208,14 +208,16 @@ CASES = [
     Bad("split_v_cache_5d", SPLIT, put("v_cache", lambda a: a["v_cache"][..., None]), ValueError, "v_cache",
         ("expected a 4-D tensor [num_blocks, num_kv_heads, head_size, block_size] (split layout)",
          f"got shape [{NB}, {HKV}, {D}, {BS}, 1]")),
-    Bad("split_x_fp16", SPLIT, put("k_cache", lambda a: a["k_cache"].reshape(NB, HKV, D // 4, BS, 4)),
-        ValueError, "k_cache", (f"expected x (dim 4) = 8 for head_size {D} and 2-byte elements", "got x=4")),
-    Bad("split_x_fp32", SPLIT_F32, put("k_cache", lambda a: a["k_cache"].reshape(NB, HKV, D // 8, BS, 8)),
-        ValueError, "k_cache", (f"expected x (dim 4) = 4 for head_size {D} and 4-byte elements", "got x=8")),
-    Bad("split_x_fp8", FP8, put("k_cache", lambda a: a["k_cache"].reshape(NB, HKV, D // 8, BS, 8)),
-        ValueError, "k_cache", (f"expected x (dim 4) = 16 for head_size {D} and 1-byte elements", "got x=8")),
-    Bad("split_x_fp8_head_24", FP8_D24, put("k_cache", lambda a: randn(NB, HKV, 1, BS, 16).to(torch.uint8)),
-        ValueError, "k_cache", ("expected x (dim 4) = 8 for head_size 24 and 1-byte elements", "got x=16")),
+    Bad("split_x_not_dividing_head_size", SPLIT, put("k_cache", lambda a: randn(NB, HKV, 10, BS, 3)), ValueError,
+        "k_cache", (f"expected x (dim 4) >= 1 dividing head_size {D} (e.g. 8)",
+                    f"got x=3 in shape [{NB}, {HKV}, 10, {BS}, 3]")),
+    Bad("split_x_zero", SPLIT, put("k_cache", lambda a: randn(NB, HKV, D, BS, 0)), ValueError, "k_cache",
+        (f"expected x (dim 4) >= 1 dividing head_size {D}", "got x=0")),
+    Bad("split_x_fp8_head_24_x_16", FP8_D24, put("k_cache", lambda a: randn(NB, HKV, 1, BS, 16).to(torch.uint8)),
+        ValueError, "k_cache", ("expected x (dim 4) >= 1 dividing head_size 24 (e.g. 8)", "got x=16")),
+    Bad("split_x_4_too_few_chunks", SPLIT, put("k_cache", lambda a: a["k_cache"].reshape(NB, HKV, D // 8, BS, 8)
+                                                [..., :4]), ValueError, "k_cache",
+        (f"expected shape [num_blocks, {HKV}, {D // 4}, block_size, 4]", f"got [{NB}, {HKV}, {D // 8}, {BS}, 4]")),
     Bad("split_k_cache_heads", SPLIT, put("k_cache", lambda a: a["k_cache"][:, :1]), ValueError, "k_cache",
         (f"expected shape [num_blocks, {HKV}, {D // 8}, block_size, 8]", f"got [{NB}, 1, {D // 8}, {BS}, 8]")),
     Bad("split_k_cache_head_size", SPLIT, put("k_cache", lambda a: a["k_cache"][:, :, :3]), ValueError, "k_cache",
@@ -436,7 +438,8 @@ def test_bad_input_is_rejected(case: Bad, api: str):
         CALLS[api](a)
     assert type(info.value) is case.exc
     message = str(info.value)
-    arg = "o" if case.arg == "out" and api == "drop_in" else case.arg  # each API names its own argument
+    renamed = {"drop_in": {"out": "o"}, "native": {"b_loc": "block_table"}}[api]
+    arg = renamed.get(case.arg, case.arg)  # each API names its own arguments
     assert message.startswith(f"{arg}:"), message
     for part in case.parts:
         assert part in message, f"{part!r} not in {message!r}"

@@ -24,6 +24,8 @@ ValidateMode = Literal["basic", "full"]
 
 MAX_HEAD_SIZE = 256
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: Output dtypes accepted with ``fp8_out_scale``.
+FP8_OUT_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -61,43 +63,65 @@ def _expect_unit_stride(name: str, t: torch.Tensor) -> None:
 
 
 def expected_x(head_size: int, element_size: int) -> int:
-    """Elements per 16-byte chunk of the split K layout, reduced so that it divides ``head_size``."""
+    """The preferred ``x`` of the split K layout: elements per 16-byte chunk, reduced so that it divides
+    ``head_size``. Used when allocating; any ``x >= 1`` dividing ``head_size`` is accepted."""
     return math.gcd(head_size, max(1, 16 // element_size))
 
 
-def validate_problem(p: PrefillProblem, mode: ValidateMode = "basic", out_name: str = "out") -> None:
+def validate_problem(p: PrefillProblem, mode: ValidateMode = "basic", out_name: str = "out",
+                     table_name: str = "b_loc") -> None:
     """Check a problem before any kernel sees it; raise ``TypeError``/``ValueError`` naming the argument.
 
-    ``out_name`` is what the caller calls the output argument (``o`` in the drop-in signature).
+    ``out_name`` and ``table_name`` are what the caller calls the output and the block table (``o`` and
+    ``b_loc`` in the drop-in signatures).
     """
     if mode not in ("basic", "full"):
         raise ValueError(f"validate: expected 'basic' or 'full', got {mode!r}")
     _validate_tensors(p, out_name)
     _validate_cache(p)
-    _validate_batch(p)
+    _validate_batch(p, table_name)
     _validate_options(p)
     if mode == "full":
-        validate_values(p)
+        validate_values(p, table_name)
 
 
 def _validate_tensors(p: PrefillProblem, out_name: str) -> None:
+    if (p.k is None) != (p.v is None):
+        none, other = ("k", "v") if p.k is None else ("v", "k")
+        raise TypeError(f"{none}: expected a torch.Tensor, got NoneType ({none} may be None only together with "
+                        f"{other}: then the new tokens' keys and values are read from the paged cache)")
     for name, attr in (("q", "q"), ("k", "k"), ("v", "v"), (out_name, "out")):
+        if attr in ("k", "v") and p.k is None:
+            continue
         _expect_tensor(name, getattr(p, attr))
     q, k, v, out = p.q, p.k, p.v, p.out
     _expect_ndim("q", q, 3, "[tokens, num_heads, head_size]")
-    _expect_ndim("k", k, 3, "[tokens, num_kv_heads, head_size]")
-    _expect_ndim("v", v, 3, "[tokens, num_kv_heads, head_size]")
     _expect_ndim(out_name, out, 3, "[tokens, num_heads, head_size]")
     _expect_dtype("q", q, FLOAT_DTYPES)
-    for name, t in (("k", k), ("v", v), (out_name, out)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name}: expected dtype {q.dtype} (the dtype of q), got {t.dtype}")
-        _expect_device(name, t, q.device)
+    if p.options.fp8_out_scale is not None:
+        _expect_dtype(out_name, out, FP8_OUT_DTYPES, "float8_e4m3fn or float8_e4m3fnuz (FP8 output, fp8_out_scale "
+                                                     "is set)")
+    elif out.dtype != q.dtype:
+        raise TypeError(f"{out_name}: expected dtype {q.dtype} (the dtype of q), got {out.dtype}")
+    _expect_device(out_name, out, q.device)
     T, H, D = q.shape
     if not 1 <= D <= MAX_HEAD_SIZE:
         raise ValueError(f"q: expected head_size (dim 2) in 1..{MAX_HEAD_SIZE}, got {D}")
     if tuple(out.shape) != tuple(q.shape):
         raise ValueError(f"{out_name}: expected shape {_shape(q)} (the shape of q), got {_shape(out)}")
+    for name, t in (("q", q), (out_name, out)):
+        if t.numel() and t.stride(2) != 1:
+            raise ValueError(
+                f"{name}: expected the head_size dimension to be contiguous (stride 1), got strides {t.stride()}"
+            )
+    if k is None:
+        return
+    _expect_ndim("k", k, 3, "[tokens, num_kv_heads, head_size]")
+    _expect_ndim("v", v, 3, "[tokens, num_kv_heads, head_size]")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}: expected dtype {q.dtype} (the dtype of q), got {t.dtype}")
+        _expect_device(name, t, q.device)
     for name, t in (("k", k), ("v", v)):
         if t.shape[0] != T or t.shape[2] != D:
             raise ValueError(
@@ -110,7 +134,7 @@ def _validate_tensors(p: PrefillProblem, out_name: str) -> None:
         raise ValueError(
             f"k: expected num_kv_heads dividing num_heads={H} (GQA/MQA), got num_kv_heads={Hkv}"
         )
-    for name, t in (("q", q), ("k", k), ("v", v), (out_name, out)):
+    for name, t in (("k", k), ("v", v)):
         if t.numel() and t.stride(2) != 1:
             raise ValueError(
                 f"{name}: expected the head_size dimension to be contiguous (stride 1), got strides {t.stride()}"
@@ -142,15 +166,14 @@ def _validate_cache(p: PrefillProblem) -> None:
         _expect_ndim("k_cache", kc, 5, "[num_blocks, num_kv_heads, head_size // x, block_size, x] (split layout)")
         _expect_ndim("v_cache", vc, 4, "[num_blocks, num_kv_heads, head_size, block_size] (split layout)")
         nb, hk, dx, bs, x = kc.shape
-        want_x = expected_x(D, kc.element_size())
-        if x != want_x:
+        if x < 1 or D % x != 0:
             raise ValueError(
-                f"k_cache: expected x (dim 4) = {want_x} for head_size {D} and {kc.element_size()}-byte elements "
-                f"(16 bytes per chunk, dividing head_size), got x={x}"
+                f"k_cache: expected x (dim 4) >= 1 dividing head_size {D} (e.g. {expected_x(D, kc.element_size())}),"
+                f" got x={x} in shape {_shape(kc)}"
             )
         if hk != Hkv or dx * x != D:
             raise ValueError(
-                f"k_cache: expected shape [num_blocks, {Hkv}, {D // want_x}, block_size, {want_x}], got {_shape(kc)}"
+                f"k_cache: expected shape [num_blocks, {Hkv}, {D // x}, block_size, {x}], got {_shape(kc)}"
             )
         if tuple(vc.shape) != (nb, Hkv, D, bs):
             raise ValueError(f"v_cache: expected shape [{nb}, {Hkv}, {D}, {bs}], got {_shape(vc)}")
@@ -163,6 +186,10 @@ def _validate_cache(p: PrefillProblem) -> None:
             raise ValueError(f"v_cache: expected shape {_shape(kc)} (the shape of k_cache), got {_shape(vc)}")
     if c.block_size < 1:
         raise ValueError(f"k_cache: expected block_size >= 1, got {c.block_size}")
+    if p.k is None and (Hkv < 1 or p.num_heads % Hkv != 0):
+        raise ValueError(
+            f"k_cache: expected num_kv_heads dividing num_heads={p.num_heads} (GQA/MQA), got num_kv_heads={Hkv}"
+        )
     for name in ("k_scale", "v_scale") if c.dtype.is_fp8 else ():
         s = getattr(c, name)
         if isinstance(s, torch.Tensor):
@@ -176,10 +203,10 @@ def _validate_cache(p: PrefillProblem) -> None:
             raise ValueError(f"{name}: expected a finite positive scale, got {s}")
 
 
-def _validate_batch(p: PrefillProblem) -> None:
+def _validate_batch(p: PrefillProblem, table_name: str = "b_loc") -> None:
     b = p.batch
     names = (("b_start_loc", b.query_start), ("b_seq_len", b.seq_lens), ("b_ctx_len", b.context_lens),
-             ("b_loc", b.block_table))
+             (table_name, b.block_table))
     for name, t in names:
         _expect_tensor(name, t)
         _expect_dtype(name, t, INDEX_DTYPES)
@@ -194,9 +221,9 @@ def _validate_batch(p: PrefillProblem) -> None:
         raise ValueError(f"b_start_loc: expected shape [{B}] or [{B + 1}], got {_shape(b.query_start)}")
     for name, t in names[:3]:
         _expect_unit_stride(name, t)
-    _expect_ndim("b_loc", b.block_table, 2, "[num_seqs, max_blocks_per_seq]")
+    _expect_ndim(table_name, b.block_table, 2, "[num_seqs, max_blocks_per_seq]")
     if b.block_table.shape[0] != B:
-        raise ValueError(f"b_loc: expected {B} rows (one per sequence), got shape {_shape(b.block_table)}")
+        raise ValueError(f"{table_name}: expected {B} rows (one per sequence), got shape {_shape(b.block_table)}")
     if b.max_query_len is not None:
         if not isinstance(b.max_query_len, int) or isinstance(b.max_query_len, bool) or b.max_query_len < 0:
             raise ValueError(f"max_input_len: expected a non-negative int, got {b.max_query_len!r}")
@@ -223,10 +250,28 @@ def _validate_options(p: PrefillProblem) -> None:
         raise ValueError(f"sliding_window: expected None or an int >= 0 (0 = no window), got {w!r}")
     if not isinstance(o.softcap, (int, float)) or not math.isfinite(o.softcap) or o.softcap < 0:
         raise ValueError(f"softcap: expected a finite float >= 0 (0 = off), got {o.softcap!r}")
+    for name in ("causal", "skip_decode"):
+        if not isinstance(getattr(o, name), bool):
+            raise TypeError(f"{name}: expected a bool, got {type(getattr(o, name)).__name__}")
+    s = o.fp8_out_scale
+    if isinstance(s, torch.Tensor):
+        if s.numel() != 1:
+            raise ValueError(f"fp8_out_scale: expected None, a float or a 1-element tensor, got shape {_shape(s)}")
+        _expect_dtype("fp8_out_scale", s, FLOAT_DTYPES)
+        _expect_device("fp8_out_scale", s, p.q.device)
+    elif s is not None:
+        if not isinstance(s, (int, float)) or isinstance(s, bool):
+            raise TypeError(f"fp8_out_scale: expected None, a float or a 1-element tensor, got {type(s).__name__}")
+        if not math.isfinite(s) or s <= 0:
+            raise ValueError(f"fp8_out_scale: expected a finite positive scale, got {s}")
 
 
-def validate_values(p: PrefillProblem) -> None:
-    """The ``"full"`` checks: read the metadata on the host and check it against the tensor extents."""
+def validate_values(p: PrefillProblem, table_name: str = "b_loc") -> None:
+    """The ``"full"`` checks: read the metadata on the host and check it against the tensor extents.
+
+    ``table_name`` is what the caller calls the block table (``b_loc`` in the drop-in signatures,
+    ``block_table`` in the native API and the operators).
+    """
     b = p.batch
     B = b.num_seqs
     seq = b.seq_lens.to("cpu", torch.int64)
@@ -267,12 +312,15 @@ def validate_values(p: PrefillProblem) -> None:
             f"max_input_len: expected >= the longest query ({int(qlen.max())}), got {b.max_query_len}"
         )
     bs = p.cache.block_size
-    nblocks_needed = (ctx + bs - 1) // bs
+    # With k = v = None the new tokens are in the cache too: a sequence uses its first seq_len positions.
+    cached = seq if p.kv_in_cache else ctx
+    what = "tokens in the cache" if p.kv_in_cache else "cached tokens"
+    nblocks_needed = (cached + bs - 1) // bs
     width = table.shape[1]
     if B and int(nblocks_needed.max()) > width:
         i = int(torch.argmax(nblocks_needed))
         raise ValueError(
-            f"b_loc: sequence {i} has {int(ctx[i])} cached tokens, needing {int(nblocks_needed[i])} blocks of "
+            f"{table_name}: sequence {i} has {int(cached[i])} {what}, needing {int(nblocks_needed[i])} blocks of "
             f"{bs}, but the block table has {width} columns"
         )
     if B and width:
@@ -282,6 +330,6 @@ def validate_values(p: PrefillProblem) -> None:
         if bool(bad.any()):
             i, j = (int(x) for x in bad.nonzero()[0])
             raise ValueError(
-                f"b_loc: expected block numbers in [0, {num_blocks}), got {int(table[i, j])} at "
+                f"{table_name}: expected block numbers in [0, {num_blocks}), got {int(table[i, j])} at "
                 f"[{i}, {j}] (sequence {i} uses {int(nblocks_needed[i])} blocks)"
             )
