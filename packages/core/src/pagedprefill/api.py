@@ -28,7 +28,7 @@ from .types import (
     PrefillProblem,
     ScaleLike,
 )
-from .validation import ValidateMode, validate_problem, validate_values
+from .validation import ValidateMode, validate_problem, validate_tensors, validate_values
 
 BackendChoice = Union[str, Backend, None]
 
@@ -107,7 +107,7 @@ def _run(problem: PrefillProblem, backend: BackendChoice, validate: ValidateMode
     if torch.compiler.is_compiling():
         from . import ops
 
-        validate_problem(problem, "basic", out_name, table_name)  # shapes/dtypes only: fine while tracing
+        validate_tensors(problem, out_name, table_name)  # names the caller's arguments; the operator checks options
         tensors, kwargs = ops.op_arguments(problem, _backend_name(backend))
         torch.ops.pagedprefill.prefill_attention_(*tensors[:3], problem.out, *tensors[3:], validate=validate,
                                                    **kwargs)

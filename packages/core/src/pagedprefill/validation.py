@@ -77,12 +77,18 @@ def validate_problem(p: PrefillProblem, mode: ValidateMode = "basic", out_name: 
     """
     if mode not in ("basic", "full"):
         raise ValueError(f"validate: expected 'basic' or 'full', got {mode!r}")
-    _validate_tensors(p, out_name)
-    _validate_cache(p)
-    _validate_batch(p, table_name)
+    validate_tensors(p, out_name, table_name)
     _validate_options(p)
     if mode == "full":
         validate_values(p, table_name)
+
+
+def validate_tensors(p: PrefillProblem, out_name: str = "out", table_name: str = "b_loc") -> None:
+    """The tensor checks of ``"basic"`` (types, ranks, shapes, dtypes, devices; no scalar options): what the
+    public functions check while ``torch.compile`` traces them (the operator checks the rest)."""
+    _validate_tensors(p, out_name)
+    _validate_cache(p)
+    _validate_batch(p, table_name)
 
 
 def _validate_tensors(p: PrefillProblem, out_name: str) -> None:
