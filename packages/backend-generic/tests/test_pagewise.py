@@ -8,7 +8,7 @@ from pagedprefill.testing import DEFAULT_TOLERANCES, assert_matches_reference, c
 from pagedprefill_generic import generic_policy
 
 CASES = ["basic", "block_size_128", "block_size_32_split_fp8", "window_6", "decode_rows", "alibi", "gqa_3",
-         "long_query", "sinks"]
+         "long_query", "sinks", "split_x_1", "split_x_4", "split_x_16", "split_x_8_fp8_e4m3", "split_x_1_float32"]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -169,7 +169,10 @@ def test_import_registers_ops_without_triton():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("pagedprefill::prefill_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache")
+    assert lines[0].startswith("pagedprefill::prefill_attention(Tensor q, Tensor? k, Tensor? v, Tensor k_cache")
+    for option in ("bool causal=True", "bool skip_decode=False", "float fp8_out_scale=0.",
+                   "Tensor? fp8_out_scale_tensor=None", 'str validate="basic"'):
+        assert option in lines[0] and option in lines[1], f"{option} missing from the schemas"
     assert "Tensor(a3!) out" in lines[1] and lines[1].endswith("-> ()")
     seconds = float(lines[2].split()[-2])
     print(lines[2])

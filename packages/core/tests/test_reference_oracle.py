@@ -4,7 +4,10 @@ The oracle below loops over sequences, heads and query tokens in Python, builds 
 list by reading the paged cache token by token through the block table (from the layout definitions, FP8
 bytes decoded and scaled), and applies the documented semantics one query at a time: logits scaled, then
 soft-capped, then ALiBi ``slope * (key_pos - query_pos)``; causal and window ``query_pos - key_pos < window``
-masks; ``exp(sink)`` in the denominator; rows with no visible key are zeros.
+masks; ``exp(sink)`` in the denominator; rows with no visible key are zeros. The options: ``causal=False``
+(later new tokens visible too), ``k = v = None`` (new tokens' keys/values read from the cache like the
+context), ``skip_decode`` (one-token sequences stay unwritten) and ``fp8_out_scale`` (``clamp(out / scale)``
+rounded to FP8 e4m3).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pagedprefill.testing import (
     sdpa_float64,
     with_output,
 )
+from pagedprefill.testing.cases import FP8_OUT_TOLERANCE, written_rows
 
 #: (atol, rtol) of the float32-compute reference against the float64 oracle, by output dtype: the output
 #: rounding (half an ulp: 2^-11 fp16, 2^-8 bf16) dominates, plus float32 accumulation for float32 outputs.
@@ -65,13 +69,17 @@ def _read_cached_token(cache: pp.PagedKVCache, kc, vc, block: int, offset: int):
 
 
 def oracle(problem: pp.PrefillProblem) -> torch.Tensor:
-    """Float64 output ``[T, H, D]`` of ``problem``; rows of tokens outside every sequence are NaN."""
+    """Float64 output ``[T, H, D]`` of ``problem`` before any FP8 output rounding (see :func:`_as_output`);
+    rows of tokens outside every sequence, or skipped by ``skip_decode``, are NaN."""
     p = problem
     T, H, D = p.q.shape
-    hkv = p.k.shape[1]
+    hkv = p.num_kv_heads
     group = H // hkv
     out = torch.full((T, H, D), float("nan"), dtype=torch.float64)
-    q, k_new, v_new = p.q.double(), p.k.double(), p.v.double()
+    q = p.q.double()
+    from_cache = p.k is None
+    if not from_cache:
+        k_new, v_new = p.k.double(), p.v.double()
     kc, vc = _decoded_cache(p.cache)
     bs = p.cache.block_size
     table = p.batch.block_table.tolist()
@@ -84,12 +92,14 @@ def oracle(problem: pp.PrefillProblem) -> torch.Tensor:
     sinks = opts.sinks.double().tolist() if opts.sinks is not None else None
     for i in range(len(seq_lens)):
         ctx, n, s0 = ctx_lens[i], seq_lens[i] - ctx_lens[i], starts[i]
+        if opts.skip_decode and n == 1:
+            continue
         keys, values = [], []
-        for pos in range(ctx):
+        for pos in range(ctx + n if from_cache else ctx):
             k, v = _read_cached_token(p.cache, kc, vc, table[i][pos // bs], pos % bs)
             keys.append(k)
             values.append(v)
-        for t in range(n):
+        for t in range(0 if from_cache else n):
             keys.append(k_new[s0 + t])
             values.append(v_new[s0 + t])
         if not keys:
@@ -99,9 +109,9 @@ def oracle(problem: pp.PrefillProblem) -> torch.Tensor:
             kv_head = h // group
             for t in range(n):
                 query_pos = ctx + t
-                # visible: key_pos <= query_pos (causal) and query_pos - key_pos < window
+                # visible: key_pos <= query_pos (causal; any new token without) and query_pos - key_pos < window
                 first = max(0, query_pos - window + 1) if window > 0 else 0
-                visible = torch.arange(first, query_pos + 1)
+                visible = torch.arange(first, query_pos + 1 if opts.causal else ctx + n)
                 if visible.numel() == 0:
                     out[s0 + t, h] = 0.0
                     continue
@@ -122,25 +132,41 @@ def oracle(problem: pp.PrefillProblem) -> torch.Tensor:
     return out
 
 
+def _as_output(want: torch.Tensor, problem: pp.PrefillProblem, dtype: torch.dtype) -> torch.Tensor:
+    """The oracle's float64 values as written into an output of ``dtype`` (FP8: divided, clamped, rounded)."""
+    scale = problem.options.fp8_out_scale
+    if scale is None:
+        return want.to(dtype)
+    limit = torch.finfo(dtype).max
+    return (want / _scalar(scale)).clamp(-limit, limit).to(dtype)
+
+
 def _check(problem: pp.PrefillProblem, label: str) -> None:
     want = oracle(problem)
     rows = ~torch.isnan(want[:, 0, 0])
-    assert bool(rows.all()), f"{label}: the batch leaves tokens outside every sequence"
+    assert torch.equal(rows, written_rows(problem)), f"{label}: the batch leaves tokens outside every sequence"
 
     got = pp.reference_prefill(fresh_output(problem))
-    assert got.dtype == problem.q.dtype
+    assert got.dtype == problem.out.dtype
+    assert bool(torch.isnan(got[~rows].float()).all()), f"{label}: rows skipped by skip_decode were written"
+    got, out_rows = got[rows], want[rows]
     assert bool(torch.isfinite(got.float()).all()), f"{label}: non-finite output"
-    atol, rtol = TOLERANCES[problem.q.dtype]
-    torch.testing.assert_close(got.double(), want, atol=atol, rtol=rtol, msg=lambda m: f"{label} (float32): {m}")
+    atol, rtol = TOLERANCES[problem.q.dtype] if problem.options.fp8_out_scale is None else FP8_OUT_TOLERANCE
+    torch.testing.assert_close(got.double(), _as_output(out_rows, problem, problem.out.dtype).double(), atol=atol,
+                               rtol=rtol, msg=lambda m: f"{label} (float32): {m}")
 
     out64 = torch.full(problem.q.shape, float("nan"), dtype=torch.float64)
     got64 = pp.reference_prefill(with_output(problem, out64), compute_dtype=torch.float64)
     assert got64 is out64
-    torch.testing.assert_close(got64, want, atol=TIGHT[0], rtol=TIGHT[1], msg=lambda m: f"{label} (float64): {m}")
+    torch.testing.assert_close(got64[rows], _as_output(out_rows, problem, torch.float64), atol=TIGHT[0],
+                               rtol=TIGHT[1], msg=lambda m: f"{label} (float64): {m}")
 
     # float64 compute rounded into the output dtype: exactly the oracle rounded the same way
-    rounded = pp.reference_prefill(fresh_output(problem), compute_dtype=torch.float64)
-    assert torch.equal(rounded, want.to(problem.q.dtype)), f"{label}: float64 compute, rounded output differs"
+    rounded = pp.reference_prefill(fresh_output(problem), compute_dtype=torch.float64)[rows]
+    expected = _as_output(out_rows, problem, problem.out.dtype)
+    assert torch.equal(rounded.view(torch.uint8) if rounded.dtype.itemsize == 1 else rounded,
+                       expected.view(torch.uint8) if expected.dtype.itemsize == 1 else expected), \
+        f"{label}: float64 compute, rounded output differs"
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -158,6 +184,9 @@ def test_feature_matrix_covers_every_dtype_and_option():
     assert any(s.alibi for s in specs) and any(s.sinks for s in specs) and any(s.softcap for s in specs)
     assert any(s.sliding_window for s in specs) and any(s.sm_scale for s in specs)
     assert any(s.scale_as_tensor for s in specs) and any(s.start_loc_entries == "B" for s in specs)
+    assert {s.x for s in specs if s.layout == "split"} >= {None, 1, 2, 4, 8, 16}
+    assert any(s.kv_in_cache for s in specs) and any(not s.causal for s in specs)
+    assert any(s.skip_decode for s in specs) and any(s.fp8_out_scale for s in specs)
 
 
 @pytest.mark.parametrize("seed", [3, 11, 41, 47, 64, 80, 84, 110])
@@ -218,11 +247,16 @@ SDPA_CASES = sorted(name for name in CASES if not case_spec(name).softcap and no
 
 @pytest.mark.parametrize("case", SDPA_CASES)
 def test_demo_check_sdpa_float64_matches_oracle(case):
-    """The demo's independent float64 computation agrees with the naive oracle (ALiBi, windows, FP8, GQA)."""
+    """The demo's independent float64 computation agrees with the naive oracle (ALiBi, windows, FP8, GQA,
+    and the optional features: causal=False, k = v = None, skip_decode, FP8 output before its rounding)."""
     problem = make_problem(case_spec(case, "small", seed=1))
     got = sdpa_float64(problem)
     assert got.dtype == torch.float64 and got.shape == problem.q.shape
-    torch.testing.assert_close(got, oracle(problem), atol=TIGHT[0], rtol=TIGHT[1], msg=lambda m: f"{case}: {m}")
+    want = oracle(problem)
+    rows = written_rows(problem)  # all rows, but those skip_decode skips (NaN in the oracle, zeros here)
+    assert torch.equal(rows, ~torch.isnan(want[:, 0, 0]))
+    assert bool((got[~rows] == 0).all()), f"{case}: rows skipped by skip_decode are not zeros"
+    torch.testing.assert_close(got[rows], want[rows], atol=TIGHT[0], rtol=TIGHT[1], msg=lambda m: f"{case}: {m}")
 
 
 @pytest.mark.parametrize("option", [{"softcap": 5.0}, {"sinks": True}])

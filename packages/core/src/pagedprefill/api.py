@@ -3,8 +3,12 @@
 * :func:`context_attention_fwd`: drop-in for the classic prefix-prefill function (positional signature and
   semantics kept; writes ``o``), with keyword extras.
 * :func:`prefill_attention`: the typed native API (:class:`BatchMetadata` + :class:`PagedKVCache`).
+* :func:`pagedprefill.vllm.context_attention_fwd` (module :mod:`pagedprefill.vllm`): the current serving
+  engine signature.
 
-Both build a :class:`PrefillProblem`, validate it, pick a backend for the tensors' device and run it.
+All build a :class:`PrefillProblem`, validate it, pick a backend for the tensors' device and run it. While
+``torch.compile`` traces them they call the custom operator ``torch.ops.pagedprefill.prefill_attention_``
+instead (one graph node, no graph break; see :mod:`pagedprefill.ops`), which runs the same dispatch.
 """
 
 from __future__ import annotations
@@ -15,17 +19,25 @@ from typing import Optional, Union
 import torch
 
 from .device import DeviceInfo, DeviceLike
+from .features import check_features
 from .registry import Backend, Registry
 from .types import (
     AttentionOptions,
     BatchMetadata,
-    KVCacheDType,
-    KVLayout,
     PagedKVCache,
     PrefillProblem,
     ScaleLike,
 )
-from .validation import DROP_IN_NAMES, NATIVE_NAMES, ArgumentNames, ValidateMode, validate_problem
+from .validation import (
+    DROP_IN_NAMES,
+    NATIVE_NAMES,
+    ArgumentNames,
+    ValidateMode,
+    argument_names_key,
+    validate_problem,
+    validate_tensors,
+    validate_values,
+)
 
 BackendChoice = Union[str, Backend, None]
 
@@ -72,20 +84,59 @@ def dispatch(problem: PrefillProblem, backend: BackendChoice = None, validate: V
     """Validate ``problem``, run it on the chosen backend, and return ``problem.out``.
 
     ``names`` is how errors name the arguments (the native names by default; ``DROP_IN_NAMES`` for
-    :func:`context_attention_fwd`).
+    :func:`context_attention_fwd`, ``VLLM_NAMES`` for :func:`pagedprefill.vllm.context_attention_fwd`).
+    A backend that reads the metadata on the host anyway (the reference) gets the ``"full"`` value checks
+    even with ``validate="basic"``. A backend refuses optional features it does not list in
+    ``supported_features`` (:mod:`pagedprefill.features`).
     """
     validate_problem(problem, validate, names)
     info = DeviceInfo.detect(problem.device)
     chosen = get_registry().select(info, backend)
+    if validate == "basic" and getattr(chosen, "reads_metadata_on_host", False):
+        try:
+            validate_values(problem, names)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (pass validate='full' to have every backend check this before running)") \
+                from None
+    check_features(chosen, problem)
     chosen.check_problem(problem, info)
     chosen.run(problem, info)
     return problem.out
 
 
+def _backend_name(backend: BackendChoice) -> str:
+    if backend is None:
+        return ""
+    return backend if isinstance(backend, str) else backend.name
+
+
+def _run(problem: PrefillProblem, backend: BackendChoice, validate: ValidateMode,
+         names: ArgumentNames = NATIVE_NAMES) -> torch.Tensor:
+    """:func:`dispatch`, or while ``torch.compile`` traces, the in-place custom operator (same dispatch at
+    run time, no data-dependent Python in the traced graph; its errors name the same arguments)."""
+    if torch.compiler.is_compiling():
+        from . import ops
+
+        validate_tensors(problem, names)  # names the caller's arguments; the operator checks options
+        tensors, kwargs = ops.op_arguments(problem, _backend_name(backend))
+        torch.ops.pagedprefill.prefill_attention_(*tensors[:3], problem.out, *tensors[3:], validate=validate,
+                                                   argument_names=argument_names_key(names), **kwargs)
+        return problem.out
+    return dispatch(problem, backend=backend, validate=validate, names=names)
+
+
+def _new_output(q: torch.Tensor, fp8_out_scale, skip_decode: bool) -> torch.Tensor:
+    """The output tensor allocated when the caller passes none (zeros where rows may stay unwritten)."""
+    dtype = torch.float8_e4m3fn if fp8_out_scale is not None else q.dtype
+    if skip_decode:
+        return torch.zeros(q.shape, dtype=dtype, device=q.device)
+    return torch.empty(q.shape, dtype=dtype, device=q.device)
+
+
 def prefill_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: Optional[torch.Tensor],
+    v: Optional[torch.Tensor],
     cache: PagedKVCache,
     batch: BatchMetadata,
     *,
@@ -94,6 +145,9 @@ def prefill_attention(
     sliding_window: Optional[int] = None,
     softcap: float = 0.0,
     sinks: Optional[torch.Tensor] = None,
+    causal: bool = True,
+    skip_decode: bool = False,
+    fp8_out_scale: Optional[ScaleLike] = None,
     out: Optional[torch.Tensor] = None,
     backend: BackendChoice = None,
     validate: ValidateMode = "basic",
@@ -102,25 +156,32 @@ def prefill_attention(
 
     Args:
         q: ``[T, H, D]`` queries of the new tokens of all sequences, packed.
-        k, v: ``[T, Hkv, D]`` keys/values of the new tokens (``H % Hkv == 0``).
+        k, v: ``[T, Hkv, D]`` keys/values of the new tokens (``H % Hkv == 0``), or both None when they are
+            already in the cache (positions ``context_lens[i] .. seq_lens[i] - 1``) and are read from there.
         cache: the paged cache holding each sequence's first ``context_lens[i]`` tokens.
         batch: per-sequence starts, lengths and block table.
-        sm_scale, alibi_slopes, sliding_window, softcap, sinks: see :class:`AttentionOptions`.
-        out: optional ``[T, H, D]`` output tensor to write (allocated when None).
+        sm_scale, alibi_slopes, sliding_window, softcap, sinks, causal, skip_decode, fp8_out_scale: see
+            :class:`AttentionOptions`.
+        out: optional ``[T, H, D]`` output tensor to write (allocated when None: in ``q``'s dtype, or
+            ``float8_e4m3fn`` with ``fp8_out_scale``; zero-filled with ``skip_decode``).
         backend: a backend name or instance; default chooses by device (see :func:`select_backend`).
         validate: ``"basic"`` (no host sync) or ``"full"`` (also checks metadata values).
 
     Returns:
-        The output ``[T, H, D]`` in ``q``'s dtype.
+        The output ``[T, H, D]``. Compile-safe: ``torch.compile(fullgraph=True)`` traces it as one operator.
+
+    Raises:
+        UnsupportedFeatureError: the backend does not run an option used (see :mod:`pagedprefill.features`).
     """
     if out is None and isinstance(q, torch.Tensor):
-        out = torch.empty_like(q)
+        out = _new_output(q, fp8_out_scale, skip_decode)
     problem = PrefillProblem(
         q=q, k=k, v=v, out=out, cache=cache, batch=batch,
         options=AttentionOptions(sm_scale=sm_scale, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
-                                 softcap=softcap, sinks=sinks),
+                                 softcap=softcap, sinks=sinks, causal=causal, skip_decode=skip_decode,
+                                 fp8_out_scale=fp8_out_scale),
     )
-    return dispatch(problem, backend=backend, validate=validate)
+    return _run(problem, backend, validate)
 
 
 def context_attention_fwd(
@@ -153,18 +214,13 @@ def context_attention_fwd(
     ``[blocks, Hkv, D, block_size]`` (the split layout), or 4-D ``[blocks, block_size, Hkv, D]`` for both
     (NHD). ``b_start_loc`` has ``B`` or ``B + 1`` entries. ``max_input_len`` is only a hint (the launch
     never depends on it). ``sliding_window`` of None or <= 0 means no window. ``k_scale``/``v_scale`` may
-    be floats or 1-element tensors. Keyword extras: ``sm_scale`` (default ``1/sqrt(D)``), ``sinks``,
-    ``softcap``, ``backend``, ``validate``.
+    be floats or 1-element tensors. Any ``x >= 1`` dividing the head size is accepted in the split K cache.
+    Keyword extras: ``sm_scale`` (default ``1/sqrt(D)``), ``sinks``, ``softcap``, ``backend``, ``validate``.
+    Compile-safe like :func:`prefill_attention`. The current serving-engine signature (no ``b_ctx_len``,
+    with ``skip_decode``, ``fp8_out_scale``, ``causal``) is :func:`pagedprefill.vllm.context_attention_fwd`.
     """
-    layout = KVLayout.SPLIT if isinstance(k_cache, torch.Tensor) and k_cache.dim() == 5 else KVLayout.NHD
-    cache = PagedKVCache(k_cache, v_cache, layout, KVCacheDType.parse(kv_cache_dtype), k_scale, v_scale)
-    if isinstance(sliding_window, int) and not isinstance(sliding_window, bool) and sliding_window <= 0:
-        sliding_window = None
-    batch = BatchMetadata(query_start=b_start_loc, seq_lens=b_seq_len, context_lens=b_ctx_len,
-                          block_table=b_loc, max_query_len=max_input_len)
-    problem = PrefillProblem(
-        q=q, k=k, v=v, out=o, cache=cache, batch=batch,
-        options=AttentionOptions(sm_scale=sm_scale, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
-                                 softcap=softcap, sinks=sinks),
-    )
-    return dispatch(problem, backend=backend, validate=validate, names=DROP_IN_NAMES)
+    problem = PrefillProblem.from_tensors(
+        q, k, v, o, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, b_ctx_len, kv_cache_dtype=kv_cache_dtype,
+        k_scale=k_scale, v_scale=v_scale, max_query_len=max_input_len, sm_scale=sm_scale,
+        alibi_slopes=alibi_slopes, sliding_window=sliding_window, softcap=softcap, sinks=sinks)
+    return _run(problem, backend, validate, DROP_IN_NAMES)

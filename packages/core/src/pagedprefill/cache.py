@@ -30,6 +30,7 @@ def allocate_cache(
     v_scale: ScaleLike = 1.0,
     device: DeviceLike = None,
     fill: Optional[float] = None,
+    x: Optional[int] = None,
 ) -> PagedKVCache:
     """Allocate an (uninitialised, or filled with ``fill``) paged KV cache.
 
@@ -40,6 +41,8 @@ def allocate_cache(
         layout: :class:`KVLayout` ``"nhd"`` or ``"split"``.
         kv_cache_dtype: ``auto`` or an FP8 format; FP8 caches are stored as ``uint8``.
         k_scale, v_scale: FP8 dequantisation scales carried by the returned descriptor.
+        x: elements per innermost K chunk of the split layout; default: those making 16 bytes (reduced to
+            divide ``head_size``). Any ``x >= 1`` dividing ``head_size`` is valid.
     """
     layout = KVLayout(layout)
     kv_dtype = KVCacheDType.parse(kv_cache_dtype)
@@ -49,7 +52,10 @@ def allocate_cache(
             raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
     storage = torch.uint8 if kv_dtype.is_fp8 else dtype
     if layout is KVLayout.SPLIT:
-        x = expected_x(head_size, torch.empty((), dtype=storage).element_size())
+        if x is None:
+            x = expected_x(head_size, torch.empty((), dtype=storage).element_size())
+        elif not isinstance(x, int) or isinstance(x, bool) or x < 1 or head_size % x:
+            raise ValueError(f"x: expected an int >= 1 dividing head_size {head_size}, got {x!r}")
         k_shape = (num_blocks, num_kv_heads, head_size // x, block_size, x)
         v_shape = (num_blocks, num_kv_heads, head_size, block_size)
     else:

@@ -29,11 +29,26 @@ argument                   default                 meaning
 ``sinks``                  ``None``                ``[H]`` sink logits
 ``max_query_len``          ``-1``                  a hint (upper bound of new tokens); ``< 0`` = none
 ``backend``                ``""``                  a backend name; ``""`` chooses by device
+``causal``                 ``True``                ``False``: new tokens see every new token of their
+                                                   sequence
+``skip_decode``            ``False``               skip sequences with one new token (rows unwritten;
+                                                   zeros in the functional op's new output)
+``fp8_out_scale``          ``0.0``                 ``> 0``: FP8 e4m3 output ``clamp(out / scale)``
+``fp8_out_scale_tensor``   ``None``                the same as a 1-element float tensor (wins)
+``validate``               ``"basic"``             ``"basic"`` or ``"full"`` (reads metadata values)
+``argument_names``         ``"native"``            how errors name the arguments: ``"native"``
+                                                   (``block_table``, ``context_lens``...), ``"drop_in"``
+                                                   (``b_loc``, ``b_ctx_len``...) or ``"vllm"``
 ========================== ======================= ================================================
 
+``k`` and ``v`` may both be None: the new tokens' keys/values are then read from the paged cache. With an
+FP8 output the functional operator returns ``float8_e4m3fn``; the in-place one writes ``out`` (FP8 e4m3).
+
 The tensors and their semantics are those of :func:`pagedprefill.prefill_attention`. The operators run
-``pagedprefill.dispatch`` with ``validate="basic"`` (shape, dtype and device checks, which the meta
-implementation also performs while tracing, so a wrong call fails at compile time with the same message).
+``pagedprefill.dispatch`` (shape, dtype and device checks, which the meta implementation also performs while
+tracing, so a wrong call fails at compile time with the same message). The public functions
+(:func:`pagedprefill.prefill_attention`, both ``context_attention_fwd``) call ``prefill_attention_``
+themselves while ``torch.compile`` traces them, so compiling code that calls them needs no change.
 
 Example::
 
@@ -60,9 +75,9 @@ from typing import Optional
 
 import torch
 
-from .api import dispatch
-from .types import AttentionOptions, BatchMetadata, KVCacheDType, KVLayout, PagedKVCache, PrefillProblem
-from .validation import validate_problem
+from .api import _new_output, dispatch
+from .types import KVLayout, PrefillProblem
+from .validation import ARGUMENT_NAMES, ArgumentNames, validate_problem
 
 __all__ = ["LIBRARY_NAMESPACE", "build_problem", "op_arguments", "prefill_attention", "prefill_attention_"]
 
@@ -71,8 +86,8 @@ LIBRARY_NAMESPACE = "pagedprefill"
 
 def build_problem(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: Optional[torch.Tensor],
+    v: Optional[torch.Tensor],
     out: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -92,33 +107,34 @@ def build_problem(
     alibi_slopes: Optional[torch.Tensor] = None,
     sinks: Optional[torch.Tensor] = None,
     max_query_len: int = -1,
+    causal: bool = True,
+    skip_decode: bool = False,
+    fp8_out_scale: float = 0.0,
+    fp8_out_scale_tensor: Optional[torch.Tensor] = None,
 ) -> PrefillProblem:
     """The :class:`PrefillProblem` an operator call describes (the operators' scalar conventions applied)."""
     if not isinstance(layout, str):
         raise TypeError(f"layout: expected 'nhd', 'split' or 'auto', got {type(layout).__name__}")
-    if layout.lower() == "auto":
-        cache_layout = KVLayout.SPLIT if k_cache.dim() == 5 else KVLayout.NHD
-    else:
+    cache_layout = None
+    if layout.lower() != "auto":
         try:
             cache_layout = KVLayout(layout.lower())
         except ValueError:
             raise ValueError(f"layout: expected 'nhd', 'split' or 'auto', got {layout!r}") from None
-    cache = PagedKVCache(
-        k_cache, v_cache, cache_layout, KVCacheDType.parse(kv_cache_dtype),
-        k_scale_tensor if k_scale_tensor is not None else k_scale,
-        v_scale_tensor if v_scale_tensor is not None else v_scale,
+    if fp8_out_scale_tensor is not None:
+        out_scale = fp8_out_scale_tensor
+    else:
+        out_scale = fp8_out_scale if fp8_out_scale > 0 else None
+    return PrefillProblem.from_tensors(
+        q, k, v, out, k_cache, v_cache, block_table, query_start, seq_lens, context_lens, layout=cache_layout,
+        kv_cache_dtype=kv_cache_dtype,
+        k_scale=k_scale_tensor if k_scale_tensor is not None else k_scale,
+        v_scale=v_scale_tensor if v_scale_tensor is not None else v_scale,
+        max_query_len=max_query_len if max_query_len >= 0 else None,
+        sm_scale=sm_scale if sm_scale > 0 else None, alibi_slopes=alibi_slopes,
+        sliding_window=sliding_window if sliding_window > 0 else None, softcap=softcap, sinks=sinks,
+        causal=causal, skip_decode=skip_decode, fp8_out_scale=out_scale,
     )
-    batch = BatchMetadata(query_start=query_start, seq_lens=seq_lens, context_lens=context_lens,
-                          block_table=block_table, max_query_len=max_query_len if max_query_len >= 0 else None)
-    options = AttentionOptions(
-        sm_scale=sm_scale if sm_scale > 0 else None,
-        alibi_slopes=alibi_slopes,
-        sliding_window=sliding_window if sliding_window > 0 else None,
-        softcap=softcap,
-        sinks=sinks,
-    )
-    return PrefillProblem(q=q, k=k, v=v, out=out, cache=cache, batch=batch, options=options)
-
 
 
 def op_arguments(problem: PrefillProblem, backend: str = "") -> tuple[tuple, dict]:
@@ -133,28 +149,50 @@ def op_arguments(problem: PrefillProblem, backend: str = "") -> tuple[tuple, dic
     kwargs = dict(layout=c.layout.value, kv_cache_dtype=c.dtype.value, sm_scale=o.sm_scale or 0.0,
                   sliding_window=o.window, softcap=float(o.softcap), alibi_slopes=o.alibi_slopes, sinks=o.sinks,
                   max_query_len=-1 if b.max_query_len is None else b.max_query_len, backend=backend)
-    for name in ("k_scale", "v_scale"):
-        scale = getattr(c, name)
+    if not o.causal:
+        kwargs["causal"] = False
+    if o.skip_decode:
+        kwargs["skip_decode"] = True
+    scales = [("k_scale", c.k_scale), ("v_scale", c.v_scale)]
+    if o.fp8_out_scale is not None:
+        scales.append(("fp8_out_scale", o.fp8_out_scale))
+    for name, scale in scales:
         if isinstance(scale, torch.Tensor):
             kwargs[name + "_tensor"] = scale
         else:
             kwargs[name] = float(scale)
     return tensors, kwargs
 
-def _run(problem: PrefillProblem, backend: str) -> None:
-    dispatch(problem, backend=backend or None, validate="basic")
+
+def _names(argument_names: str) -> ArgumentNames:
+    """The names record an operator's ``argument_names`` selects."""
+    if argument_names not in ARGUMENT_NAMES:
+        raise ValueError(f"argument_names: expected one of {', '.join(map(repr, ARGUMENT_NAMES))}, "
+                         f"got {argument_names!r}")
+    return ARGUMENT_NAMES[argument_names]
 
 
-def _check(problem: PrefillProblem) -> None:
+def _run(problem: PrefillProblem, backend: str, validate: str, argument_names: str) -> None:
+    dispatch(problem, backend=backend or None, validate=validate, names=_names(argument_names))
+
+
+def _check(problem: PrefillProblem, argument_names: str) -> None:
     """The ``basic`` validation (shapes, dtypes, devices only), usable on fake tensors while tracing."""
-    validate_problem(problem, "basic")
+    validate_problem(problem, "basic", _names(argument_names))
+
+
+def _problem(arguments: dict) -> PrefillProblem:
+    """:func:`build_problem` from an operator's arguments by name (``backend``, ``validate`` and
+    ``argument_names`` aside)."""
+    return build_problem(**{k: v for k, v in arguments.items()
+                            if k not in ("backend", "validate", "argument_names")})
 
 
 @torch.library.custom_op(f"{LIBRARY_NAMESPACE}::prefill_attention", mutates_args=())
 def prefill_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: Optional[torch.Tensor],
+    v: Optional[torch.Tensor],
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_table: torch.Tensor,
@@ -174,13 +212,18 @@ def prefill_attention(
     sinks: Optional[torch.Tensor] = None,
     max_query_len: int = -1,
     backend: str = "",
+    causal: bool = True,
+    skip_decode: bool = False,
+    fp8_out_scale: float = 0.0,
+    fp8_out_scale_tensor: Optional[torch.Tensor] = None,
+    validate: str = "basic",
+    argument_names: str = "native",
 ) -> torch.Tensor:
     """Prefix-prefill attention over a paged KV cache; returns a new ``[T, H, D]`` tensor (see the module)."""
-    out = torch.empty_like(q)
-    problem = build_problem(q, k, v, out, k_cache, v_cache, block_table, query_start, seq_lens, context_lens,
-                            layout, kv_cache_dtype, k_scale, v_scale, k_scale_tensor, v_scale_tensor, sm_scale,
-                            sliding_window, softcap, alibi_slopes, sinks, max_query_len)
-    _run(problem, backend)
+    arguments = dict(locals())
+    out = _new_output(q, fp8_out_scale_tensor if fp8_out_scale_tensor is not None else fp8_out_scale or None,
+                      skip_decode)
+    _run(_problem(dict(arguments, out=out)), backend, validate, argument_names)
     return out
 
 
@@ -188,20 +231,22 @@ def prefill_attention(
 def _prefill_attention_fake(
     q, k, v, k_cache, v_cache, block_table, query_start, seq_lens, context_lens, layout="auto",
     kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, k_scale_tensor=None, v_scale_tensor=None, sm_scale=0.0,
-    sliding_window=0, softcap=0.0, alibi_slopes=None, sinks=None, max_query_len=-1, backend="",
+    sliding_window=0, softcap=0.0, alibi_slopes=None, sinks=None, max_query_len=-1, backend="", causal=True,
+    skip_decode=False, fp8_out_scale=0.0, fp8_out_scale_tensor=None, validate="basic",
+    argument_names="native",
 ):
-    out = torch.empty_like(q)
-    _check(build_problem(q, k, v, out, k_cache, v_cache, block_table, query_start, seq_lens, context_lens,
-                         layout, kv_cache_dtype, k_scale, v_scale, k_scale_tensor, v_scale_tensor, sm_scale,
-                         sliding_window, softcap, alibi_slopes, sinks, max_query_len))
+    arguments = dict(locals())
+    fp8_out = fp8_out_scale_tensor is not None or fp8_out_scale > 0
+    out = torch.empty_like(q, dtype=torch.float8_e4m3fn if fp8_out else q.dtype)
+    _check(_problem(dict(arguments, out=out)), argument_names)
     return out
 
 
 @torch.library.custom_op(f"{LIBRARY_NAMESPACE}::prefill_attention_", mutates_args=("out",))
 def prefill_attention_(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: Optional[torch.Tensor],
+    v: Optional[torch.Tensor],
     out: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -222,21 +267,24 @@ def prefill_attention_(
     sinks: Optional[torch.Tensor] = None,
     max_query_len: int = -1,
     backend: str = "",
+    causal: bool = True,
+    skip_decode: bool = False,
+    fp8_out_scale: float = 0.0,
+    fp8_out_scale_tensor: Optional[torch.Tensor] = None,
+    validate: str = "basic",
+    argument_names: str = "native",
 ) -> None:
     """Prefix-prefill attention over a paged KV cache, written into ``out`` ``[T, H, D]`` (see the module)."""
-    problem = build_problem(q, k, v, out, k_cache, v_cache, block_table, query_start, seq_lens, context_lens,
-                            layout, kv_cache_dtype, k_scale, v_scale, k_scale_tensor, v_scale_tensor, sm_scale,
-                            sliding_window, softcap, alibi_slopes, sinks, max_query_len)
-    _run(problem, backend)
+    _run(_problem(dict(locals())), backend, validate, argument_names)
 
 
 @prefill_attention_.register_fake
 def _prefill_attention_inplace_fake(
     q, k, v, out, k_cache, v_cache, block_table, query_start, seq_lens, context_lens, layout="auto",
     kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, k_scale_tensor=None, v_scale_tensor=None, sm_scale=0.0,
-    sliding_window=0, softcap=0.0, alibi_slopes=None, sinks=None, max_query_len=-1, backend="",
+    sliding_window=0, softcap=0.0, alibi_slopes=None, sinks=None, max_query_len=-1, backend="", causal=True,
+    skip_decode=False, fp8_out_scale=0.0, fp8_out_scale_tensor=None, validate="basic",
+    argument_names="native",
 ):
-    _check(build_problem(q, k, v, out, k_cache, v_cache, block_table, query_start, seq_lens, context_lens,
-                         layout, kv_cache_dtype, k_scale, v_scale, k_scale_tensor, v_scale_tensor, sm_scale,
-                         sliding_window, softcap, alibi_slopes, sinks, max_query_len))
+    _check(_problem(dict(locals())), argument_names)
     return None

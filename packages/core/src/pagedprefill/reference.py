@@ -13,7 +13,12 @@ Semantics, shared by every backend:
 * with ``sinks``, ``exp(sinks[h])`` is added to the softmax denominator (the sink takes probability mass
   but contributes no value);
 * a row with no visible key is all zeros (cannot happen with the causal mask and ``w >= 1``, since a token
-  always sees itself, but defined anyway).
+  always sees itself, but defined anyway);
+* ``causal=False``: a new token also sees the new tokens after it (every key of its sequence, the window
+  still admitting only keys with ``query_pos - key_pos < w``);
+* ``k = v = None``: the keys/values of positions ``[ctx, seq_len)`` are read from the paged cache too;
+* ``skip_decode``: sequences with exactly one new token are skipped (their output rows are not written);
+* ``fp8_out_scale``: the output is written as ``clamp(out / fp8_out_scale)`` to the FP8 range of ``out``.
 """
 
 from __future__ import annotations
@@ -42,12 +47,17 @@ def reference_prefill(problem: PrefillProblem, compute_dtype: torch.dtype = torc
     window = opts.window
     for i, (seq_len, ctx) in enumerate(zip(seq_lens, ctx_lens)):
         n = seq_len - ctx
-        if n <= 0:
+        if n <= 0 or (opts.skip_decode and n == 1):
             continue
         s0 = starts[i]
-        k_ctx, v_ctx = gather_kv(p.cache, b.block_table[i], ctx, compute_dtype)
-        keys = torch.cat([k_ctx, p.k[s0:s0 + n].to(compute_dtype)]).repeat_interleave(group, dim=1)
-        values = torch.cat([v_ctx, p.v[s0:s0 + n].to(compute_dtype)]).repeat_interleave(group, dim=1)
+        if p.kv_in_cache:
+            keys, values = gather_kv(p.cache, b.block_table[i], seq_len, compute_dtype)
+        else:
+            k_ctx, v_ctx = gather_kv(p.cache, b.block_table[i], ctx, compute_dtype)
+            keys = torch.cat([k_ctx, p.k[s0:s0 + n].to(compute_dtype)])
+            values = torch.cat([v_ctx, p.v[s0:s0 + n].to(compute_dtype)])
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
         key_pos = torch.arange(seq_len, device=p.device)
         chunk = max(1, MAX_SCORE_ELEMENTS // max(1, H * seq_len))
         for q0 in range(0, n, chunk):
@@ -55,12 +65,21 @@ def reference_prefill(problem: PrefillProblem, compute_dtype: torch.dtype = torc
             query = p.q[s0 + q0:s0 + q1].to(compute_dtype)
             query_pos = ctx + torch.arange(q0, q1, device=p.device)
             out = _attend(query, keys, values, query_pos, key_pos, p.sm_scale, opts.softcap, slopes, sinks,
-                          window)
-            p.out[s0 + q0:s0 + q1] = out.to(p.out.dtype)
+                          window, opts.causal)
+            p.out[s0 + q0:s0 + q1] = _to_output(out, p.out.dtype, opts.fp8_out_scale)
     return p.out
 
 
-def _attend(query, keys, values, query_pos, key_pos, sm_scale, softcap, slopes, sinks, window):
+def _to_output(out: torch.Tensor, dtype: torch.dtype, fp8_out_scale) -> torch.Tensor:
+    """``out`` in the output dtype; with ``fp8_out_scale``, divided by it and clamped to the FP8 range."""
+    if fp8_out_scale is None:
+        return out.to(dtype)
+    scale = fp8_out_scale.reshape(()).to(out) if isinstance(fp8_out_scale, torch.Tensor) else float(fp8_out_scale)
+    limit = torch.finfo(dtype).max
+    return (out / scale).clamp(-limit, limit).to(dtype)
+
+
+def _attend(query, keys, values, query_pos, key_pos, sm_scale, softcap, slopes, sinks, window, causal=True):
     """Attention of ``query`` ``[n, H, D]`` over ``keys``/``values`` ``[S, H, D]`` with all options."""
     scores = torch.einsum("qhd,khd->hqk", query, keys) * sm_scale
     if softcap > 0:
@@ -68,7 +87,7 @@ def _attend(query, keys, values, query_pos, key_pos, sm_scale, softcap, slopes, 
     distance = query_pos[:, None] - key_pos[None, :]  # [n, S]
     if slopes is not None:
         scores = scores - slopes[:, None, None] * distance[None].to(scores.dtype)
-    visible = distance >= 0
+    visible = distance >= 0 if causal else torch.ones_like(distance, dtype=torch.bool)
     if window > 0:
         visible &= distance < window
     scores = scores.masked_fill(~visible[None], float("-inf"))

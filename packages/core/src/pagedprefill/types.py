@@ -20,8 +20,9 @@ class KVLayout(str, enum.Enum):
     """Memory layout of a paged KV cache.
 
     ``SPLIT`` is the layout of the original prefix-prefill kernel: K is 5-D
-    ``[num_blocks, Hkv, D // x, block_size, x]`` with ``x`` elements making 16 bytes, and V is 4-D
-    ``[num_blocks, Hkv, D, block_size]``.
+    ``[num_blocks, Hkv, D // x, block_size, x]`` and V is 4-D ``[num_blocks, Hkv, D, block_size]``. Any
+    ``x >= 1`` dividing ``D`` is accepted (read from the shape; strides decide the addressing);
+    :func:`~pagedprefill.allocate_cache` picks ``x`` elements making 16 bytes by default.
 
     ``NHD`` is ``[num_blocks, block_size, Hkv, D]`` for both K and V.
     """
@@ -171,6 +172,12 @@ class PagedKVCache:
         return int(self.key.shape[4]) if self.layout is KVLayout.SPLIT else 1
 
 
+#: Names of the optional features a backend may or may not run (see :attr:`PrefillProblem.features`).
+#: ``kv_in_cache``: ``k``/``v`` are None and the new tokens' keys/values are read from the paged cache;
+#: ``non_causal``: ``causal=False``; ``skip_decode``; ``fp8_out_scale``.
+FEATURES = frozenset({"kv_in_cache", "non_causal", "skip_decode", "fp8_out_scale"})
+
+
 @dataclass(frozen=True)
 class AttentionOptions:
     """Optional features of the attention itself.
@@ -181,6 +188,14 @@ class AttentionOptions:
         sliding_window: ``None`` or 0 for none; else a query sees keys with ``query_pos - key_pos < window``.
         softcap: logit soft-capping ``c * tanh(s / c)`` applied to scaled logits before ALiBi; 0 = off.
         sinks: ``[H]`` float tensor of per-head sink logits added to each softmax denominator.
+        causal: ``True`` (default): a new token sees the new tokens up to and including itself. ``False``:
+            it sees every new token of its sequence (prefix-LM, encoders). Cached tokens are always visible;
+            a sliding window still only admits keys with ``query_pos - key_pos < window``.
+        skip_decode: skip sequences with exactly one new token (left to a decode kernel): their output
+            rows are not written.
+        fp8_out_scale: ``None``, or a positive float / 1-element float tensor: the output is written as
+            FP8 e4m3 ``clamp(attention / fp8_out_scale, -max, max)`` into an ``out`` of dtype
+            ``torch.float8_e4m3fn`` (or ``float8_e4m3fnuz``).
     """
 
     sm_scale: Optional[float] = None
@@ -188,6 +203,9 @@ class AttentionOptions:
     sliding_window: Optional[int] = None
     softcap: float = 0.0
     sinks: Optional[torch.Tensor] = None
+    causal: bool = True
+    skip_decode: bool = False
+    fp8_out_scale: Optional[ScaleLike] = None
 
     @property
     def window(self) -> int:
@@ -200,12 +218,14 @@ class PrefillProblem:
     """Everything one call computes: the unit that backends receive from dispatch.
 
     ``out`` is written in place. ``q`` is ``[T, H, D]``; ``k``/``v`` are the new tokens' keys and values
-    ``[T, Hkv, D]``.
+    ``[T, Hkv, D]``, or both None when the new tokens' keys and values are already in the paged cache
+    (positions ``context_lens[i] .. seq_lens[i] - 1`` of each sequence, e.g. written by
+    :func:`~pagedprefill.write_to_cache`) and are read from there.
     """
 
     q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
+    k: Optional[torch.Tensor]
+    v: Optional[torch.Tensor]
     out: torch.Tensor
     cache: PagedKVCache
     batch: BatchMetadata
@@ -215,8 +235,76 @@ class PrefillProblem:
     def num_heads(self) -> int:
         return int(self.q.shape[1])
 
+    @classmethod
+    def from_tensors(
+        cls,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        out: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        query_start: torch.Tensor,
+        seq_lens: torch.Tensor,
+        context_lens: torch.Tensor,
+        *,
+        layout: Union[KVLayout, str, None] = None,
+        kv_cache_dtype: Union[KVCacheDType, str] = KVCacheDType.AUTO,
+        k_scale: ScaleLike = 1.0,
+        v_scale: ScaleLike = 1.0,
+        max_query_len: Optional[int] = None,
+        sm_scale: Optional[float] = None,
+        alibi_slopes: Optional[torch.Tensor] = None,
+        sliding_window: Optional[int] = None,
+        softcap: float = 0.0,
+        sinks: Optional[torch.Tensor] = None,
+        causal: bool = True,
+        skip_decode: bool = False,
+        fp8_out_scale: Optional[ScaleLike] = None,
+    ) -> PrefillProblem:
+        """The problem described by plain tensors and scalars: the one builder behind the drop-in
+        signatures and the custom operators.
+
+        ``layout=None`` reads the layout from ``k_cache`` (5-D: split, else NHD); an int ``sliding_window``
+        ``<= 0`` means no window. Nothing is validated here (see :func:`~pagedprefill.validate_problem`).
+        """
+        if layout is None:
+            layout = KVLayout.SPLIT if isinstance(k_cache, torch.Tensor) and k_cache.dim() == 5 else KVLayout.NHD
+        if isinstance(sliding_window, int) and not isinstance(sliding_window, bool) and sliding_window <= 0:
+            sliding_window = None
+        cache = PagedKVCache(k_cache, v_cache, layout, KVCacheDType.parse(kv_cache_dtype), k_scale, v_scale)
+        batch = BatchMetadata(query_start=query_start, seq_lens=seq_lens, context_lens=context_lens,
+                              block_table=block_table, max_query_len=max_query_len)
+        options = AttentionOptions(sm_scale=sm_scale, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
+                                   softcap=softcap, sinks=sinks, causal=causal, skip_decode=skip_decode,
+                                   fp8_out_scale=fp8_out_scale)
+        return cls(q=q, k=k, v=v, out=out, cache=cache, batch=batch, options=options)
+
+    @property
+    def kv_in_cache(self) -> bool:
+        """Whether the new tokens' keys/values are read from the cache (``k`` and ``v`` are None)."""
+        return self.k is None
+
+    @property
+    def features(self) -> frozenset:
+        """The optional features (names from :data:`FEATURES`) this call uses; backends may refuse them."""
+        o = self.options
+        used = set()
+        if self.k is None or self.v is None:
+            used.add("kv_in_cache")
+        if not o.causal:
+            used.add("non_causal")
+        if o.skip_decode:
+            used.add("skip_decode")
+        if o.fp8_out_scale is not None:
+            used.add("fp8_out_scale")
+        return frozenset(used)
+
     @property
     def num_kv_heads(self) -> int:
+        if self.k is None:
+            return self.cache.num_kv_heads
         return int(self.k.shape[1])
 
     @property

@@ -25,6 +25,8 @@ ValidateMode = Literal["basic", "full"]
 
 MAX_HEAD_SIZE = 256
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: Output dtypes accepted with ``fp8_out_scale``.
+FP8_OUT_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -43,9 +45,26 @@ class ArgumentNames:
 
 #: The native API (:class:`~pagedprefill.BatchMetadata` fields) and the custom operators.
 NATIVE_NAMES = ArgumentNames()
-#: The drop-in :func:`~pagedprefill.context_attention_fwd`.
+#: The classic drop-in :func:`~pagedprefill.context_attention_fwd`.
 DROP_IN_NAMES = ArgumentNames(out="o", block_table="b_loc", query_start="b_start_loc", seq_lens="b_seq_len",
                               context_lens="b_ctx_len", max_query_len="max_input_len")
+#: The vLLM drop-in :func:`pagedprefill.vllm.context_attention_fwd`: no ``b_ctx_len``, each sequence's context
+#: length is computed from ``b_seq_len`` and ``b_start_loc``, so errors about it show that expression.
+VLLM_NAMES = ArgumentNames(out="o", block_table="b_loc", query_start="b_start_loc", seq_lens="b_seq_len",
+                           context_lens="b_seq_len[i] - (b_start_loc[i + 1] - b_start_loc[i])",
+                           max_query_len="max_input_len")
+#: The names records by the key the custom operators take (``argument_names=``), so that an operator called
+#: by a public function while ``torch.compile`` traces it names that function's arguments.
+ARGUMENT_NAMES = {"native": NATIVE_NAMES, "drop_in": DROP_IN_NAMES, "vllm": VLLM_NAMES}
+
+
+def argument_names_key(names: ArgumentNames) -> str:
+    """The key of ``names`` in :data:`ARGUMENT_NAMES` (what the operators' ``argument_names`` takes)."""
+    for key, record in ARGUMENT_NAMES.items():
+        if record == names:
+            return key
+    raise ValueError(f"names: expected one of the records in ARGUMENT_NAMES ({', '.join(ARGUMENT_NAMES)}), "
+                     f"got {names!r}")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -87,43 +106,71 @@ def _expect_unit_stride(name: str, t: torch.Tensor) -> None:
 
 
 def expected_x(head_size: int, element_size: int) -> int:
-    """Elements per 16-byte chunk of the split K layout, reduced so that it divides ``head_size``."""
+    """The preferred ``x`` of the split K layout: elements per 16-byte chunk, reduced so that it divides
+    ``head_size``. Used when allocating; any ``x >= 1`` dividing ``head_size`` is accepted."""
     return math.gcd(head_size, max(1, 16 // element_size))
 
 
 def validate_problem(p: PrefillProblem, mode: ValidateMode = "basic", names: ArgumentNames = NATIVE_NAMES) -> None:
     """Check a problem before any kernel sees it; raise ``TypeError``/``ValueError`` naming the argument.
 
-    ``names`` is what the caller calls the arguments (:data:`DROP_IN_NAMES` for the drop-in signature).
+    ``names`` is what the caller calls the arguments (:data:`DROP_IN_NAMES` for the classic drop-in,
+    :data:`VLLM_NAMES` for :mod:`pagedprefill.vllm`).
     """
     if mode not in ("basic", "full"):
         raise ValueError(f"validate: expected 'basic' or 'full', got {mode!r}")
-    _validate_tensors(p, names.out)
-    _validate_cache(p)
-    _validate_batch(p, names)
+    validate_tensors(p, names)
     _validate_options(p)
     if mode == "full":
         validate_values(p, names)
 
 
+def validate_tensors(p: PrefillProblem, names: ArgumentNames = NATIVE_NAMES) -> None:
+    """The tensor checks of ``"basic"`` (types, ranks, shapes, dtypes, devices; no scalar options): what the
+    public functions check while ``torch.compile`` traces them (the operator checks the rest)."""
+    _validate_tensors(p, names.out)
+    _validate_cache(p)
+    _validate_batch(p, names)
+
+
 def _validate_tensors(p: PrefillProblem, out_name: str) -> None:
+    if (p.k is None) != (p.v is None):
+        none, other = ("k", "v") if p.k is None else ("v", "k")
+        raise TypeError(f"{none}: expected a torch.Tensor, got NoneType ({none} may be None only together with "
+                        f"{other}: then the new tokens' keys and values are read from the paged cache)")
     for name, attr in (("q", "q"), ("k", "k"), ("v", "v"), (out_name, "out")):
+        if attr in ("k", "v") and p.k is None:
+            continue
         _expect_tensor(name, getattr(p, attr))
     q, k, v, out = p.q, p.k, p.v, p.out
     _expect_ndim("q", q, 3, "[tokens, num_heads, head_size]")
-    _expect_ndim("k", k, 3, "[tokens, num_kv_heads, head_size]")
-    _expect_ndim("v", v, 3, "[tokens, num_kv_heads, head_size]")
     _expect_ndim(out_name, out, 3, "[tokens, num_heads, head_size]")
     _expect_dtype("q", q, FLOAT_DTYPES)
-    for name, t in (("k", k), ("v", v), (out_name, out)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name}: expected dtype {dtype_name(q.dtype)} (the dtype of q), got {dtype_name(t.dtype)}")
-        _expect_device(name, t, q.device)
+    if p.options.fp8_out_scale is not None:
+        _expect_dtype(out_name, out, FP8_OUT_DTYPES, "float8_e4m3fn or float8_e4m3fnuz (FP8 output, fp8_out_scale "
+                                                     "is set)")
+    elif out.dtype != q.dtype:
+        raise TypeError(
+            f"{out_name}: expected dtype {dtype_name(q.dtype)} (the dtype of q), got {dtype_name(out.dtype)}")
+    _expect_device(out_name, out, q.device)
     T, H, D = q.shape
     if not 1 <= D <= MAX_HEAD_SIZE:
         raise ValueError(f"q: expected head_size (dim 2) in 1..{MAX_HEAD_SIZE}, got {D}")
     if tuple(out.shape) != tuple(q.shape):
         raise ValueError(f"{out_name}: expected shape {_shape(q)} (the shape of q), got {_shape(out)}")
+    for name, t in (("q", q), (out_name, out)):
+        if t.numel() and t.stride(2) != 1:
+            raise ValueError(
+                f"{name}: expected the head_size dimension to be contiguous (stride 1), got strides {t.stride()}"
+            )
+    if k is None:
+        return
+    _expect_ndim("k", k, 3, "[tokens, num_kv_heads, head_size]")
+    _expect_ndim("v", v, 3, "[tokens, num_kv_heads, head_size]")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}: expected dtype {dtype_name(q.dtype)} (the dtype of q), got {dtype_name(t.dtype)}")
+        _expect_device(name, t, q.device)
     for name, t in (("k", k), ("v", v)):
         if t.shape[0] != T or t.shape[2] != D:
             raise ValueError(
@@ -136,7 +183,7 @@ def _validate_tensors(p: PrefillProblem, out_name: str) -> None:
         raise ValueError(
             f"k: expected num_kv_heads dividing num_heads={H} (GQA/MQA), got num_kv_heads={Hkv}"
         )
-    for name, t in (("q", q), ("k", k), ("v", v), (out_name, out)):
+    for name, t in (("k", k), ("v", v)):
         if t.numel() and t.stride(2) != 1:
             raise ValueError(
                 f"{name}: expected the head_size dimension to be contiguous (stride 1), got strides {t.stride()}"
@@ -170,15 +217,14 @@ def _validate_cache(p: PrefillProblem) -> None:
         _expect_ndim("k_cache", kc, 5, "[num_blocks, num_kv_heads, head_size // x, block_size, x] (split layout)")
         _expect_ndim("v_cache", vc, 4, "[num_blocks, num_kv_heads, head_size, block_size] (split layout)")
         nb, hk, dx, bs, x = kc.shape
-        want_x = expected_x(D, kc.element_size())
-        if x != want_x:
+        if x < 1 or D % x != 0:
             raise ValueError(
-                f"k_cache: expected x (dim 4) = {want_x} for head_size {D} and {kc.element_size()}-byte elements "
-                f"(16 bytes per chunk, dividing head_size), got x={x}"
+                f"k_cache: expected x (dim 4) >= 1 dividing head_size {D} (e.g. {expected_x(D, kc.element_size())}),"
+                f" got x={x} in shape {_shape(kc)}"
             )
         if hk != Hkv or dx * x != D:
             raise ValueError(
-                f"k_cache: expected shape [num_blocks, {Hkv}, {D // want_x}, block_size, {want_x}], got {_shape(kc)}"
+                f"k_cache: expected shape [num_blocks, {Hkv}, {D // x}, block_size, {x}], got {_shape(kc)}"
             )
         if tuple(vc.shape) != (nb, Hkv, D, bs):
             raise ValueError(f"v_cache: expected shape [{nb}, {Hkv}, {D}, {bs}], got {_shape(vc)}")
@@ -191,6 +237,10 @@ def _validate_cache(p: PrefillProblem) -> None:
             raise ValueError(f"v_cache: expected shape {_shape(kc)} (the shape of k_cache), got {_shape(vc)}")
     if c.block_size < 1:
         raise ValueError(f"k_cache: expected block_size >= 1, got {c.block_size}")
+    if p.k is None and (Hkv < 1 or p.num_heads % Hkv != 0):
+        raise ValueError(
+            f"k_cache: expected num_kv_heads dividing num_heads={p.num_heads} (GQA/MQA), got num_kv_heads={Hkv}"
+        )
     for name in ("k_scale", "v_scale") if c.dtype.is_fp8 else ():
         s = getattr(c, name)
         if isinstance(s, torch.Tensor):
@@ -253,10 +303,28 @@ def _validate_options(p: PrefillProblem) -> None:
         raise ValueError(f"sliding_window: expected None or an int >= 0 (0 = no window), got {w!r}")
     if not isinstance(o.softcap, (int, float)) or not math.isfinite(o.softcap) or o.softcap < 0:
         raise ValueError(f"softcap: expected a finite float >= 0 (0 = off), got {o.softcap!r}")
+    for name in ("causal", "skip_decode"):
+        if not isinstance(getattr(o, name), bool):
+            raise TypeError(f"{name}: expected a bool, got {type(getattr(o, name)).__name__}")
+    s = o.fp8_out_scale
+    if isinstance(s, torch.Tensor):
+        if s.numel() != 1:
+            raise ValueError(f"fp8_out_scale: expected None, a float or a 1-element tensor, got shape {_shape(s)}")
+        _expect_dtype("fp8_out_scale", s, FLOAT_DTYPES)
+        _expect_device("fp8_out_scale", s, p.q.device)
+    elif s is not None:
+        if not isinstance(s, (int, float)) or isinstance(s, bool):
+            raise TypeError(f"fp8_out_scale: expected None, a float or a 1-element tensor, got {type(s).__name__}")
+        if not math.isfinite(s) or s <= 0:
+            raise ValueError(f"fp8_out_scale: expected a finite positive scale, got {s}")
 
 
 def validate_values(p: PrefillProblem, names: ArgumentNames = NATIVE_NAMES) -> None:
-    """The ``"full"`` checks: read the metadata on the host and check it against the tensor extents."""
+    """The ``"full"`` checks: read the metadata on the host and check it against the tensor extents.
+
+    ``names`` is what the caller calls the metadata arguments (``b_loc``, ``b_ctx_len``... in the drop-in
+    signatures; ``block_table``, ``context_lens``... in the native API and the operators).
+    """
     b = p.batch
     B = b.num_seqs
     seq = b.seq_lens.to("cpu", torch.int64)
@@ -299,12 +367,15 @@ def validate_values(p: PrefillProblem, names: ArgumentNames = NATIVE_NAMES) -> N
             f"{names.max_query_len}: expected >= the longest query ({int(qlen.max())}), got {b.max_query_len}"
         )
     bs = p.cache.block_size
-    nblocks_needed = (ctx + bs - 1) // bs
+    # With k = v = None the new tokens are in the cache too: a sequence uses its first seq_len positions.
+    cached = seq if p.kv_in_cache else ctx
+    what = "tokens in the cache" if p.kv_in_cache else "cached tokens"
+    nblocks_needed = (cached + bs - 1) // bs
     width = table.shape[1]
     if B and int(nblocks_needed.max()) > width:
         i = int(torch.argmax(nblocks_needed))
         raise ValueError(
-            f"{names.block_table}: sequence {i} has {int(ctx[i])} cached tokens, needing {int(nblocks_needed[i])} "
+            f"{names.block_table}: sequence {i} has {int(cached[i])} {what}, needing {int(nblocks_needed[i])} "
             f"blocks of {bs}, but the block table has {width} columns"
         )
     if B and width:

@@ -5,13 +5,18 @@ from __future__ import annotations
 from ..device import DeviceInfo
 from ..reference import reference_prefill
 from ..registry import Backend, hookimpl
-from ..types import PrefillProblem
+from ..types import FEATURES, PrefillProblem
 
 
 class ReferenceBackend(Backend):
     name = "reference"
     priority = 0
     description = "pure PyTorch, float32 accumulation, every feature, any device (slow; the test oracle)"
+    #: Every optional feature (see :mod:`pagedprefill.features`).
+    supported_features = FEATURES
+    #: It reads lengths on the host anyway, so dispatch also checks the metadata values (block numbers,
+    #: lengths) with ``validate="basic"``: a bad block table is a clear error, not an ``IndexError``.
+    reads_metadata_on_host = True
 
     def supports(self, device: DeviceInfo) -> list[str]:
         return []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 from ..device import DeviceInfo, interpreter_enabled, triton_installed
+from ..features import check_features
 from ..registry import Backend, UnsupportedFeatureError
 from ..tiling import ProblemShape, TileConfig
 from ..tuning import tables_state
@@ -38,6 +39,11 @@ class TritonBackend(Backend):
     #: Whether the backend accepts CPU tensors under ``TRITON_INTERPRET=1``.
     runs_in_interpreter = False
 
+    #: Optional features (names from :data:`pagedprefill.types.FEATURES`: ``"kv_in_cache"``,
+    #: ``"non_causal"``, ``"skip_decode"``, ``"fp8_out_scale"``) the kernel computes. Any other one is
+    #: refused with :class:`UnsupportedFeatureError` naming it; add a name here once the kernel runs it.
+    supported_features: frozenset = frozenset()
+
     def hardware_reasons(self, device: DeviceInfo) -> list[str]:
         return []
 
@@ -70,7 +76,9 @@ class TritonBackend(Backend):
         return self._policy_memo(shape, device, tables_state())
 
     def check_problem(self, problem: PrefillProblem, device: DeviceInfo) -> None:
-        """Refuse a problem whose smallest tile cannot fit the device's shared memory."""
+        """Refuse optional features outside :attr:`supported_features`, and a problem whose smallest tile
+        cannot fit the device's shared memory."""
+        check_features(self, problem)
         if device.type == "cpu" or not device.max_shared_mem:
             return
         shape = problem_shape(problem)

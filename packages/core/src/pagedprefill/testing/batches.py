@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..cache import allocate_cache, fp8_scale_for, quantize_fp8
+from ..cache import allocate_cache, fp8_scale_for, quantize_fp8, write_to_cache
 from ..types import AttentionOptions, BatchMetadata, KVCacheDType, PrefillProblem
 from ..validation import dtype_name
 
@@ -40,6 +40,14 @@ class BatchSpec:
     start_loc_entries: str = "B+1"
     spare_blocks: int = 3
     seed: int = 0
+    #: elements per innermost K chunk of the split layout (None: 16 bytes' worth)
+    x: Optional[int] = None
+    causal: bool = True
+    skip_decode: bool = False
+    #: FP8 e4m3 output with this scale (the output tensor is ``float8_e4m3fn``)
+    fp8_out_scale: Optional[float] = None
+    #: k = v = None: the new tokens' keys/values are written into the cache and read from there
+    kv_in_cache: bool = False
 
     def replace(self, **changes) -> BatchSpec:
         return dataclasses.replace(self, **changes)
@@ -50,9 +58,15 @@ class BatchSpec:
                  dtype_name(self.dtype), self.layout]
         if self.kv_cache_dtype != "auto":
             parts.append(self.kv_cache_dtype)
-        for flag in ("alibi", "sinks", "scale_as_tensor"):
+        if self.x is not None:
+            parts.append(f"x={self.x}")
+        for flag in ("alibi", "sinks", "scale_as_tensor", "skip_decode", "kv_in_cache"):
             if getattr(self, flag):
                 parts.append(flag)
+        if not self.causal:
+            parts.append("non_causal")
+        if self.fp8_out_scale is not None:
+            parts.append(f"fp8_out_scale={self.fp8_out_scale}")
         if self.sliding_window:
             parts.append(f"window={self.sliding_window}")
         if self.softcap:
@@ -74,12 +88,14 @@ def make_problem(spec: BatchSpec, device="cpu") -> PrefillProblem:
     B = len(qlens)
     T = sum(qlens)
     H, Hkv, D, bs = spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size
-    blocks_per_seq = [-(-c // bs) for c in clens]
+    # With kv_in_cache the cache also holds the new tokens (positions ctx .. ctx + q - 1).
+    cached = [c + q for c, q in zip(clens, qlens)] if spec.kv_in_cache else clens
+    blocks_per_seq = [-(-c // bs) for c in cached]
     width = max(blocks_per_seq + [1])
     num_blocks = max(1, sum(blocks_per_seq) + spec.spare_blocks)
     kv_dtype = KVCacheDType.parse(spec.kv_cache_dtype)
     cache = allocate_cache(num_blocks, bs, Hkv, D, spec.dtype, layout=spec.layout, kv_cache_dtype=kv_dtype,
-                           device=device)
+                           device=device, x=spec.x)
     k_scale = v_scale = 1.0
     if kv_dtype.is_fp8:
         k_full, v_full = randn(*cache.key.shape), randn(*cache.value.shape)
@@ -107,13 +123,24 @@ def make_problem(spec: BatchSpec, device="cpu") -> PrefillProblem:
     q = randn(T, H, D, dtype=spec.dtype)
     k = randn(T, Hkv, D, dtype=spec.dtype)
     v = randn(T, Hkv, D, dtype=spec.dtype)
-    out = torch.full_like(q, float("nan"))
+    if spec.kv_in_cache:  # write the new tokens where the table puts positions ctx .. ctx + q - 1, then drop k/v
+        slots = []
+        for i, (n, c) in enumerate(zip(qlens, clens)):
+            pos = torch.arange(c, c + n)
+            slots.append(table[i, pos // bs].long() * bs + pos % bs)
+        write_to_cache(cache, k, v, torch.cat(slots + [torch.zeros(0, dtype=torch.long)]).to(device))
+        k = v = None
+    out_dtype = torch.float8_e4m3fn if spec.fp8_out_scale is not None else spec.dtype
+    out = torch.full(q.shape, float("nan"), dtype=out_dtype, device=device)
     options = AttentionOptions(
         sm_scale=spec.sm_scale,
         alibi_slopes=(randn(H).abs() * 0.5) if spec.alibi else None,
         sliding_window=spec.sliding_window,
         softcap=spec.softcap,
         sinks=randn(H) if spec.sinks else None,
+        causal=spec.causal,
+        skip_decode=spec.skip_decode,
+        fp8_out_scale=spec.fp8_out_scale,
     )
     return PrefillProblem(q=q, k=k, v=v, out=out, cache=cache, batch=batch, options=options)
 
@@ -124,5 +151,5 @@ def with_output(problem: PrefillProblem, out: torch.Tensor) -> PrefillProblem:
 
 
 def fresh_output(problem: PrefillProblem) -> PrefillProblem:
-    """The same problem with a new NaN-poisoned output tensor."""
-    return with_output(problem, torch.full_like(problem.q, float("nan")))
+    """The same problem with a new NaN-poisoned output tensor (of the output's dtype)."""
+    return with_output(problem, torch.full_like(problem.out, float("nan")))

@@ -18,6 +18,10 @@ DEFAULT_TOLERANCES = {
     torch.float32: (2e-4, 2e-4),
 }
 
+#: (atol, rtol) of an FP8 e4m3 output (``fp8_out_scale``): one e4m3 step is 12.5 % of the value, and a
+#: backend may round a value near a step boundary to the other side.
+FP8_OUT_TOLERANCE = (2.0 ** -6, 0.13)
+
 BASE = BatchSpec(query_lens=(5, 1, 17, 0, 3), context_lens=(9, 40, 0, 6, 1), num_heads=4, num_kv_heads=2,
                  head_size=32, block_size=8)
 
@@ -59,7 +63,39 @@ CASES: dict[str, dict] = {
     "decode_rows": {"query_lens": (1, 1, 40, 1), "context_lens": (70, 3, 5, 0)},
     "start_loc_b_entries": {"start_loc_entries": "B"},
     "long_query": {"query_lens": (150, 2), "context_lens": (35, 130), "num_heads": 2, "num_kv_heads": 1},
+    # the split K cache with any x dividing the head size (strides decide the addressing)
+    "split_x_1": {"layout": "split", "x": 1},
+    "split_x_2_head_24": {"layout": "split", "x": 2, "head_size": 24},
+    "split_x_4": {"layout": "split", "x": 4},
+    "split_x_16": {"layout": "split", "x": 16},
+    "split_x_8_float32": {"layout": "split", "x": 8, "dtype": torch.float32},
+    "split_x_1_float32": {"layout": "split", "x": 1, "dtype": torch.float32},
+    "split_x_8_fp8_e4m3": {"layout": "split", "x": 8, "kv_cache_dtype": "fp8_e4m3"},
+    "split_x_2_fp8_e5m2": {"layout": "split", "x": 2, "kv_cache_dtype": "fp8_e5m2", "scale_as_tensor": True},
+    "split_x_16_fp8_window_alibi": {"layout": "split", "x": 16, "kv_cache_dtype": "fp8", "sliding_window": 10,
+                                    "alibi": True},
+    # optional features (see FEATURE_CASES): a backend that refuses one skips its cases, with the reason
+    "skip_decode": {"skip_decode": True, "query_lens": (1, 6, 1, 13, 0), "context_lens": (20, 9, 0, 3, 5)},
+    "fp8_out": {"fp8_out_scale": 0.02},
+    "fp8_out_clamped": {"fp8_out_scale": 0.002, "dtype": torch.float32},
+    "non_causal": {"causal": False},
+    "non_causal_window_alibi_sinks": {"causal": False, "sliding_window": 6, "alibi": True, "sinks": True},
+    "kv_in_cache": {"kv_in_cache": True},
+    "kv_in_cache_split_fp8": {"kv_in_cache": True, "layout": "split", "x": 8, "kv_cache_dtype": "fp8_e4m3",
+                              "block_size": 16},
+    "vllm_options": {"kv_in_cache": True, "causal": False, "skip_decode": True, "fp8_out_scale": 0.05,
+                     "sinks": True, "sliding_window": 9, "layout": "split",
+                     "query_lens": (1, 6, 1, 13, 0), "context_lens": (20, 9, 0, 3, 5)},
 }
+
+#: case name -> the optional features (:data:`pagedprefill.types.FEATURES`) it needs.
+FEATURE_CASES: dict[str, frozenset] = {
+    name: frozenset(f for f, on in (("skip_decode", c.get("skip_decode")), ("fp8_out_scale", "fp8_out_scale" in c),
+                                    ("non_causal", c.get("causal") is False), ("kv_in_cache", c.get("kv_in_cache")))
+                    if on)
+    for name, c in CASES.items()
+}
+FEATURE_CASES = {name: features for name, features in FEATURE_CASES.items() if features}
 
 LARGE_LENGTHS = {"query_lens": (300, 1, 1000, 0, 77, 1), "context_lens": (2000, 3000, 0, 64, 513, 1)}
 
@@ -83,7 +119,7 @@ def random_spec(seed: int, size: str = "small", dtypes=(torch.float16, torch.flo
     n = rng.randint(1, 4)
     kv_dtype = rng.choice(["auto", "auto", "fp8_e4m3", "fp8_e5m2"])
     layout = rng.choice(["nhd", "split"])
-    return BatchSpec(
+    spec = BatchSpec(
         query_lens=tuple(rng.choice([0, 1, rng.randint(1, 40 * scale)]) for _ in range(n)),
         context_lens=tuple(rng.choice([0, rng.randint(1, 60 * scale)]) for _ in range(n)),
         num_heads=hkv * group, num_kv_heads=hkv,
@@ -98,12 +134,43 @@ def random_spec(seed: int, size: str = "small", dtypes=(torch.float16, torch.flo
         sinks=rng.random() < 0.3,
         seed=seed,
     )
+    if layout == "split":  # any x dividing the head size (drawn last: earlier draws stay as they were)
+        x = rng.choice([None, None, 1, 2, 4, 8, 16])
+        if x is not None and spec.head_size % x == 0:
+            spec = spec.replace(x=x)
+    return spec
+
+
+def written_rows(problem: PrefillProblem) -> torch.Tensor:
+    """``[T]`` bool: the output rows a backend must write (all new tokens, but those of sequences that
+    ``skip_decode`` skips). Reads the metadata on the host."""
+    b = problem.batch
+    mask = torch.zeros(problem.num_tokens, dtype=torch.bool)
+    starts = b.query_start.tolist()
+    for i, (seq, ctx) in enumerate(zip(b.seq_lens.tolist(), b.context_lens.tolist())):
+        n = seq - ctx
+        if n > 0 and not (problem.options.skip_decode and n == 1):
+            mask[starts[i]:starts[i] + n] = True
+    return mask.to(problem.device)
 
 
 def assert_matches_reference(out: torch.Tensor, problem: PrefillProblem, atol: float, rtol: float,
                              label: str = "") -> None:
-    """Every output element is finite and within tolerance of the reference (computed in float32)."""
+    """Every output element is finite and within tolerance of the reference (computed in float32).
+
+    ``out`` must start NaN-poisoned (as :func:`~pagedprefill.testing.make_problem` makes it): rows that
+    ``skip_decode`` skips must still be NaN (untouched). An FP8 output is compared with at least
+    :data:`FP8_OUT_TOLERANCE`.
+    """
     ref = reference_prefill(fresh_output(problem)).float()
     got = out.float()
+    if out.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        atol, rtol = max(atol, FP8_OUT_TOLERANCE[0]), max(rtol, FP8_OUT_TOLERANCE[1])
+    rows = written_rows(problem)
+    if not bool(rows.all()):
+        skipped = got[~rows]
+        assert torch.isnan(skipped).all(), \
+            f"{label}: {int((~torch.isnan(skipped)).sum())} elements of skipped rows were written"
+        got, ref = got[rows], ref[rows]
     assert torch.isfinite(got).all(), f"{label}: output has {int((~torch.isfinite(got)).sum())} non-finite elements"
     torch.testing.assert_close(got, ref, atol=atol, rtol=rtol, msg=lambda m: f"{label}: {m}")

@@ -10,6 +10,11 @@ A backend's tests subclass :class:`ConformanceSuite`::
         excluded_kv_cache_dtypes = {"fp8_e4m3": "no FP8 on this hardware", "fp8_e5m2": "no FP8 on this hardware"}
         exclusions = {"head_size_256": "no tile fits head size 256"}   # single cases, by name
 
+Cases that use an optional feature (:data:`~pagedprefill.testing.cases.FEATURE_CASES`) run against the
+reference when the backend lists the feature in ``supported_features``; otherwise the suite checks that the
+backend refuses the call with :class:`~pagedprefill.UnsupportedFeatureError` naming the feature, and reports
+the case as skipped with that reason.
+
 Options (registered by the pytest plugin): ``--pagedprefill-device`` (default: ``cuda`` when present,
 else ``cpu``), ``--pagedprefill-size`` (``small`` for the interpreter, ``large`` for GPUs),
 ``--pagedprefill-sweep`` (number of random cases in the sweep).
@@ -25,6 +30,8 @@ import torch
 from ..api import get_registry
 from ..backends.triton_base import TritonBackend
 from ..device import DeviceInfo, interpreter_enabled
+from ..features import check_features, missing_features
+from ..registry import UnsupportedFeatureError
 from ..types import KVCacheDType, PrefillProblem
 from ..validation import validate_problem
 from .batches import BatchSpec, make_problem
@@ -55,6 +62,7 @@ class ConformanceSuite:
         backend = get_registry().get(self.backend)
         if device.type == "cpu" and isinstance(backend, TritonBackend) and not interpreter_enabled():
             pytest.skip(f"backend {self.backend!r} runs Triton kernels: on the CPU set TRITON_INTERPRET=1")
+        check_features(backend, problem)
         backend.check_problem(problem, info)
         backend.run(problem, info)
         return problem.out
@@ -76,6 +84,13 @@ class ConformanceSuite:
 
     def _check(self, spec: BatchSpec, device: torch.device, label: str) -> None:
         problem = make_problem(spec, device)
+        missing = missing_features(get_registry().get(self.backend), problem)
+        if missing:
+            with pytest.raises(UnsupportedFeatureError) as refused:
+                self.run_backend(problem, device)
+            for name in missing:
+                assert name in str(refused.value), f"{label}: the refusal does not name {name!r}: {refused.value}"
+            pytest.skip(f"backend {self.backend!r} does not support {sorted(missing)}: {refused.value}")
         out = self.run_backend(problem, device)
         atol, rtol = self.tolerances[spec.dtype]
         assert_matches_reference(out, problem, atol, rtol, label=f"{label} [{spec.describe()}]")

@@ -1,0 +1,43 @@
+"""Optional features a backend may not run, and the one check that refuses them.
+
+A backend lists the features it computes in its ``supported_features`` attribute (a set of names from
+:data:`pagedprefill.types.FEATURES`); a backend without that attribute supports none of them. The
+``reference`` backend supports all of them. :func:`check_features` is called by dispatch (and by the
+conformance suite) before a backend runs.
+"""
+
+from __future__ import annotations
+
+from .registry import UnsupportedFeatureError
+from .types import FEATURES, PrefillProblem
+
+__all__ = ["FEATURES", "FEATURE_DESCRIPTIONS", "check_features", "missing_features"]
+
+#: How errors describe each feature (the argument the caller sets to use it).
+FEATURE_DESCRIPTIONS = {
+    "kv_in_cache": "k = v = None (new tokens' keys/values read from the paged cache)",
+    "non_causal": "causal=False",
+    "skip_decode": "skip_decode=True",
+    "fp8_out_scale": "fp8_out_scale (FP8 output)",
+}
+
+
+def missing_features(backend, problem: PrefillProblem) -> frozenset:
+    """The features ``problem`` uses that ``backend`` does not declare in ``supported_features``."""
+    used = problem.features
+    if not used:
+        return frozenset()
+    return used - frozenset(getattr(backend, "supported_features", ()))
+
+
+def check_features(backend, problem: PrefillProblem) -> None:
+    """Raise :class:`~pagedprefill.UnsupportedFeatureError` naming each feature ``problem`` uses that
+    ``backend`` does not run."""
+    missing = missing_features(backend, problem)
+    if missing:
+        what = "; ".join(FEATURE_DESCRIPTIONS[name] for name in sorted(missing))
+        raise UnsupportedFeatureError(
+            f"backend {backend.name!r} does not support {what} (features {sorted(missing)}); "
+            f"use backend='reference', which runs every feature"
+        )
+
