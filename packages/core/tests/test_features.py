@@ -236,8 +236,15 @@ def test_reference_basic_names_the_block_table(api):
 
 # -- which backend runs which feature --------------------------------------------------------------------------
 class _Kernel(TritonBackend):
+    """A Triton backend for hardware that computes none of the optional features."""
+
     name = "kernel-under-test"
     runs_in_interpreter = True
+    supported_features = frozenset()
+
+
+def test_core_kernel_computes_every_feature():
+    assert TritonBackend.supported_features == FEATURES
 
 
 def test_every_feature_has_a_description():

@@ -9,7 +9,7 @@ from ..features import check_features
 from ..registry import Backend, UnsupportedFeatureError
 from ..tiling import ProblemShape, TileConfig
 from ..tuning import tables_state
-from ..types import PrefillProblem
+from ..types import FEATURES, PrefillProblem
 from ..validation import dtype_name
 
 
@@ -40,9 +40,10 @@ class TritonBackend(Backend):
     runs_in_interpreter = False
 
     #: Optional features (names from :data:`pagedprefill.types.FEATURES`: ``"kv_in_cache"``,
-    #: ``"non_causal"``, ``"skip_decode"``, ``"fp8_out_scale"``) the kernel computes. Any other one is
-    #: refused with :class:`UnsupportedFeatureError` naming it; add a name here once the kernel runs it.
-    supported_features: frozenset = frozenset()
+    #: ``"non_causal"``, ``"skip_decode"``, ``"fp8_out_scale"``) the kernel computes: all of them. A subclass
+    #: for hardware that lacks one (FP8 stores, say) removes its name; the dispatch then refuses it with
+    #: :class:`UnsupportedFeatureError` naming it.
+    supported_features: frozenset = FEATURES
 
     def hardware_reasons(self, device: DeviceInfo) -> list[str]:
         return []
@@ -94,3 +95,17 @@ class TritonBackend(Backend):
         from ..triton.launch import launch_prefill
 
         launch_prefill(problem, self.tile_config(problem_shape(problem), device))
+
+    def bind(self, problem: PrefillProblem, device: DeviceInfo):
+        """Run ``problem`` and return a launcher of the compiled kernel for its signature (on GPUs; the
+        interpreter keeps launching through Triton's JIT)."""
+        from ..triton.launch import bind_launch, call_tensors
+
+        bound = bind_launch(problem, self.tile_config(problem_shape(problem), device))
+        if bound is None:  # nothing to launch, or a driver without direct launches: already run by the JIT
+            return self.run_again(device)
+
+        def launch(later: PrefillProblem) -> bool:
+            return bound(call_tensors(later))
+
+        return launch

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from ..device import DeviceInfo
 from ..tiling import ProblemShape, TileConfig, TilingPolicy
@@ -46,6 +46,25 @@ class Backend:
     def run(self, problem: PrefillProblem, device: DeviceInfo) -> None:
         """Compute ``problem`` into ``problem.out`` (inputs are already validated)."""
         raise NotImplementedError
+
+    def bind(self, problem: PrefillProblem, device: DeviceInfo) -> Callable[[PrefillProblem], bool]:
+        """Compute ``problem`` (validated), and return how to compute later problems of the same call signature.
+
+        The dispatch remembers what this returns per signature (:mod:`pagedprefill.plans`) and calls it with
+        validation, selection and checks skipped; it returns False, computing nothing, when it cannot serve a
+        call (which then takes the full path). The default runs :meth:`run` each time; a backend may return
+        something faster (the Triton backends launch their compiled kernel directly).
+        """
+        self.run(problem, device)
+        return self.run_again(device)
+
+    def run_again(self, device: DeviceInfo) -> Callable[[PrefillProblem], bool]:
+        """The plan that computes each later problem with :meth:`run`."""
+        def again(later: PrefillProblem) -> bool:
+            self.run(later, device)
+            return True
+
+        return again
 
     def tile_config(self, shape: ProblemShape, device: DeviceInfo) -> Optional[TileConfig]:
         """The tile this backend would use for ``shape`` on ``device`` (None if it does not tile)."""

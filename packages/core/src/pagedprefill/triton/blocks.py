@@ -217,6 +217,23 @@ def finish_rows(acc, m_i, l_i, sink2, out_scale, SINKS: tl.constexpr):
 
 
 @triton.jit
+def round_to_fp8_e4m3(x, FP8_MAX: tl.constexpr):
+    """``x`` saturated to ``FP8_MAX`` and rounded to the nearest FP8 e4m3 value (ties to even), in float32.
+
+    The store's conversion then only has exactly representable values to convert, so every target gives
+    the same bits as torch's own conversion (the CPU interpreter's FP8 rounding is not exact on its own).
+    The step between e4m3 values is ``2 ** (exponent - 3)``, and ``2 ** -9`` below the smallest normal.
+    """
+    a = tl.minimum(tl.abs(x), FP8_MAX)
+    exponent = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exponent = tl.maximum(exponent, -6)
+    step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    # Adding and removing 1.5 * 2**23 rounds a float32 below 2**22 to an integer, ties to even.
+    rounded = ((a / step + 12582912.0) - 12582912.0) * step
+    return tl.where(x < 0, -rounded, rounded)
+
+
+@triton.jit
 def split_range(start, end, full_lo, full_hi, BLOCK_N: tl.constexpr):
     """Split the tile loop ``[start, end)`` (``start`` aligned to ``BLOCK_N``) around its mask-free middle.
 

@@ -25,6 +25,7 @@ from .blocks import (
     logits,
     new_kv_offsets,
     online_softmax_step,
+    round_to_fp8_e4m3,
     scalar_or_load,
     split_range,
     tile_pages,
@@ -100,7 +101,7 @@ def _new_phase(acc, m_i, l_i, q, q_pos, alibi2, start, end, ctx_len, q_len, seq_
 def prefix_prefill_kernel(
     Q, K, V, Out, K_cache, V_cache, block_table, query_start, seq_lens, ctx_lens, alibi_slopes, sinks,
     k_scale_ptr, v_scale_ptr, out_scale_ptr,
-    sm_scale, k_scale, v_scale, softcap, window,
+    sm_scale, k_scale, v_scale, out_scale, softcap, window,
     num_seqs, num_tokens, num_blocks, table_width, block_size, group_size,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_ckb, stride_ckh, stride_ckd, stride_ckt, stride_ckx,
@@ -112,7 +113,7 @@ def prefix_prefill_kernel(
     SINKS: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT_CACHE: tl.constexpr, K_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr,
     CAUSAL: tl.constexpr, SKIP_DECODE: tl.constexpr, NEW_KV_IN_CACHE: tl.constexpr, OUT_SCALE: tl.constexpr,
-    OUT_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    OUT_SCALE_PTR: tl.constexpr, OUT_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // HEADS_PER_TILE
     EVEN_D: tl.constexpr = HEAD_SIZE == HEAD_SIZE_PADDED
@@ -261,11 +262,11 @@ def prefix_prefill_kernel(
     sink2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     if SINKS:
         sink2 = tl.load(sinks + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
-    out_scale = 1.0
+    inv_out_scale = 1.0
     if OUT_SCALE:
-        out_scale = 1.0 / tl.load(out_scale_ptr).to(tl.float32)
-    out = finish_rows(acc, m_i, l_i, sink2, out_scale, SINKS)
+        inv_out_scale = 1.0 / scalar_or_load(out_scale, out_scale_ptr, OUT_SCALE_PTR)
+    out = finish_rows(acc, m_i, l_i, sink2, inv_out_scale, SINKS)
     if OUT_SCALE:
-        out = tl.minimum(tl.maximum(out, -OUT_MAX), OUT_MAX)  # quantised output saturates
+        out = round_to_fp8_e4m3(out, OUT_MAX)  # quantised output saturates
     o_off = q_rows.to(tl.int64)[:, None] * stride_ot + head.to(tl.int64)[:, None] * stride_oh + offs_d[None, :]
     tl.store(Out + o_off, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])

@@ -107,7 +107,7 @@ def call_tensors(p: PrefillProblem) -> tuple:
     fp8 = c.dtype.is_fp8
     k_scale = c.k_scale if fp8 and isinstance(c.k_scale, torch.Tensor) else q
     v_scale = c.v_scale if fp8 and isinstance(c.v_scale, torch.Tensor) else q
-    out_scale = getattr(o, "fp8_out_scale", None)
+    out_scale = o.fp8_out_scale
     b = p.batch
     return (q, k, v, p.out, c.key, c.value, b.block_table, b.query_start, b.seq_lens, b.context_lens,
             q if o.alibi_slopes is None else o.alibi_slopes, q if o.sinks is None else o.sinks,
@@ -133,9 +133,9 @@ def kernel_call(problem: PrefillProblem, config: TileConfig) -> Optional[KernelC
     k_scale, _, k_from_ptr = _scale_arg(p.cache.k_scale, fp8, q)
     v_scale, _, v_from_ptr = _scale_arg(p.cache.v_scale, fp8, q)
     opts = p.options
-    causal = getattr(opts, "causal", True)
-    skip_decode = getattr(opts, "skip_decode", False)
-    out_scale = getattr(opts, "fp8_out_scale", None)
+    causal, skip_decode = opts.causal, opts.skip_decode
+    out_scale = opts.fp8_out_scale
+    out_scale_value = 1.0 if out_scale is None or isinstance(out_scale, torch.Tensor) else float(out_scale)
     new_kv_in_cache = p.k is None
     table = p.batch.block_table
     bs = p.cache.block_size
@@ -143,7 +143,7 @@ def kernel_call(problem: PrefillProblem, config: TileConfig) -> Optional[KernelC
     tensors = call_tensors(p)
     tensors = tensors[:4] + (key, value) + tensors[6:]  # FP8 bytes as float8: the kernel converts them
     scalars = (
-        p.sm_scale, k_scale, v_scale, float(opts.softcap), opts.window,
+        p.sm_scale, k_scale, v_scale, out_scale_value, float(opts.softcap), opts.window,
         B, T, p.cache.num_blocks, table.shape[1], bs, group,
         q.stride(0), q.stride(1), *new_strides, out.stride(0), out.stride(1),
         *ks, *vs,
@@ -157,7 +157,7 @@ def kernel_call(problem: PrefillProblem, config: TileConfig) -> Optional[KernelC
         K_SCALE_PTR=k_from_ptr, V_SCALE_PTR=v_from_ptr, PAGE_SIZE=bs if config.pagewise else 0,
         SPLIT_CACHE=p.cache.layout is KVLayout.SPLIT, K_ALIGN=k_align, V_ALIGN=v_align,
         CAUSAL=causal, SKIP_DECODE=skip_decode, NEW_KV_IN_CACHE=new_kv_in_cache,
-        OUT_SCALE=out_scale is not None, OUT_MAX=FP8_E4M3_MAX,
+        OUT_SCALE=out_scale is not None, OUT_SCALE_PTR=isinstance(out_scale, torch.Tensor), OUT_MAX=FP8_E4M3_MAX,
         DOT_PRECISION=config.fp32_dot if q.dtype == torch.float32 else "tf32",
     )
     options = dict(num_warps=config.num_warps, num_stages=config.num_stages)

@@ -1,0 +1,77 @@
+"""Launch plans: what the dispatch decided for one call signature, reused by every later call with it.
+
+A serving engine calls the attention once per layer per step with the same shapes for many steps. The
+first call with a signature is validated, a backend is selected, its policy picks a tile and Triton binds
+and (maybe) compiles the kernel; the plan keeps the outcome. Later calls with the same signature only build
+the signature, look the plan up and launch: no validation work, no policy, no argument binding.
+
+The signature (:func:`call_signature`) holds everything those decisions read: every tensor's shape,
+strides, dtype and device, every option's value, the cache layout and format, the backend asked for (and
+``PAGEDPREFILL_BACKEND``), the argument names used in errors, and the state of the tuned tables. It holds no
+tensor values: plans exist only for ``validate="basic"``, whose checks never read values either. A plan
+whose compiled code assumed 16-byte aligned tensors declines a call with a less aligned one, which then
+takes the full path.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Callable, Optional
+
+import torch
+
+from .tuning import tables_state
+from .types import PrefillProblem
+
+#: Plans kept at most; the table is emptied when full (a process rarely sees more signatures).
+MAX_PLANS = 4096
+
+#: ``plan(problem) -> bool``: launch ``problem``; False when it cannot (nothing was launched).
+Plan = Callable[[PrefillProblem], bool]
+
+_plans: dict = {}
+_lock = threading.Lock()
+
+
+def _tensor(t) -> tuple:
+    if isinstance(t, torch.Tensor):
+        return t.shape, t.stride(), t.dtype, t.device
+    return (t,)  # None, or a float (scales): its value decides too
+
+
+def call_signature(problem: PrefillProblem, backend: object, names: object) -> tuple:
+    """Everything the dispatch's decisions for ``problem`` depend on, except tensor values and addresses."""
+    p, c, b, o = problem, problem.cache, problem.batch, problem.options
+    return (
+        _tensor(p.q), _tensor(p.k), _tensor(p.v), _tensor(p.out), _tensor(c.key), _tensor(c.value),
+        _tensor(b.block_table), _tensor(b.query_start), _tensor(b.seq_lens), _tensor(b.context_lens),
+        _tensor(o.alibi_slopes), _tensor(o.sinks), _tensor(c.k_scale), _tensor(c.v_scale),
+        _tensor(o.fp8_out_scale), c.layout, c.dtype, b.max_query_len, o.sm_scale, o.sliding_window, o.softcap,
+        o.causal, o.skip_decode, backend if backend is None or isinstance(backend, str) else id(backend),
+        os.environ.get("PAGEDPREFILL_BACKEND"), id(names), tables_state(),
+    )
+
+
+def lookup(signature: tuple) -> Optional[Plan]:
+    try:
+        return _plans.get(signature)
+    except TypeError:  # an argument that cannot be hashed: validation will say what is wrong with it
+        return None
+
+
+def remember(signature: tuple, plan: Plan) -> None:
+    try:
+        hash(signature)
+    except TypeError:
+        return
+    with _lock:
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
+        _plans[signature] = plan
+
+
+def forget() -> None:
+    """Drop every plan (after the registry is reset or plugins change)."""
+    with _lock:
+        _plans.clear()

@@ -1,0 +1,110 @@
+"""Launch plans: a repeated call signature skips validation, selection and policy, and only launches."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import pagedprefill as pp
+from pagedprefill import api, plans
+from pagedprefill.testing import BatchSpec, fresh_output, make_problem
+
+SPEC = BatchSpec(query_lens=(5, 3), context_lens=(9, 17), num_heads=4, num_kv_heads=2, head_size=32, block_size=8)
+
+
+class Counting(pp.Backend):
+    name = "counting"
+    priority = 10_000
+
+    def __init__(self):
+        self.runs = 0
+
+    def supports(self, device):
+        return []
+
+    def run(self, problem, device):
+        self.runs += 1
+        pp.get_registry().get("reference").run(problem, device)
+
+
+@pytest.fixture
+def counting(monkeypatch):
+    backend = Counting()
+    monkeypatch.setattr(api.get_registry(), "get", lambda name, _orig=api.get_registry().get:
+                        backend if name == "counting" else _orig(name))
+    calls = {"validate": 0}
+    original = api.validate_problem
+
+    def counted(*args, **kwargs):
+        calls["validate"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(api, "validate_problem", counted)
+    plans.forget()
+    yield backend, calls
+    plans.forget()
+
+
+def test_second_call_with_the_same_signature_skips_validation(counting):
+    backend, calls = counting
+    first = make_problem(SPEC)
+    api.dispatch(first, backend=backend)
+    again = make_problem(SPEC.replace(seed=1))  # new data, same shapes: the plan serves it
+    api.dispatch(again, backend=backend)
+    assert backend.runs == 2 and calls["validate"] == 1
+    expect = fresh_output(again)
+    pp.get_registry().get("reference").run(expect, pp.DeviceInfo.detect("cpu"))
+    torch.testing.assert_close(again.out, expect.out)
+
+
+def test_another_signature_is_validated(counting):
+    backend, calls = counting
+    api.dispatch(make_problem(SPEC), backend=backend)
+    api.dispatch(make_problem(SPEC.replace(query_lens=(5, 4))), backend=backend)  # another token count
+    api.dispatch(make_problem(SPEC.replace(sliding_window=4)), backend=backend)    # another option value
+    assert calls["validate"] == 3
+
+
+def test_full_validation_never_uses_a_plan(counting):
+    backend, calls = counting
+    p = make_problem(SPEC)
+    api.dispatch(p, backend=backend)
+    api.dispatch(p, backend=backend, validate="full")
+    assert calls["validate"] == 2
+
+
+def test_a_call_that_fails_validation_leaves_no_plan(counting):
+    backend, calls = counting
+    p = make_problem(SPEC)
+    bad = dataclasses.replace(p, out=p.out[:, :2])
+    for _ in range(2):
+        with pytest.raises(ValueError, match="out"):
+            api.dispatch(bad, backend=backend)
+    assert backend.runs == 0 and calls["validate"] == 2
+
+
+def test_reset_registry_forgets_plans(counting):
+    backend, calls = counting
+    api.dispatch(make_problem(SPEC), backend=backend)
+    plans.forget()
+    api.dispatch(make_problem(SPEC), backend=backend)
+    assert calls["validate"] == 2
+
+
+def test_unhashable_arguments_get_the_validation_error():
+    p = make_problem(SPEC)
+    bad = dataclasses.replace(p, options=dataclasses.replace(p.options, sliding_window=[4]))
+    with pytest.raises(ValueError, match="sliding_window"):
+        api.dispatch(bad, backend="reference")
+
+
+def test_the_reference_reads_values_every_call():
+    """The reference checks metadata values on every call, so it is never planned."""
+    plans.forget()
+    p = make_problem(SPEC)
+    api.dispatch(p, backend="reference")
+    table = p.batch.block_table.clone()
+    table[0, 0] = 10_000
+    bad = dataclasses.replace(p, batch=dataclasses.replace(p.batch, block_table=table))
+    with pytest.raises(ValueError, match="block_table"):
+        api.dispatch(bad, backend="reference")
