@@ -2,10 +2,9 @@
 
 import dataclasses
 
+import pagedprefill as pp
 import pytest
 import torch
-
-import pagedprefill as pp
 from pagedprefill import api, plans
 from pagedprefill.testing import BatchSpec, fresh_output, make_problem
 
@@ -30,8 +29,6 @@ class Counting(pp.Backend):
 @pytest.fixture
 def counting(monkeypatch):
     backend = Counting()
-    monkeypatch.setattr(api.get_registry(), "get", lambda name, _orig=api.get_registry().get:
-                        backend if name == "counting" else _orig(name))
     calls = {"validate": 0}
     original = api.validate_problem
 

@@ -34,7 +34,7 @@ from ..features import check_features, missing_features
 from ..registry import UnsupportedFeatureError
 from ..types import KVCacheDType, PrefillProblem
 from ..validation import validate_problem
-from .batches import BatchSpec, make_problem
+from .batches import BatchSpec, fresh_output, make_problem
 from .cases import BASE, CASES, DEFAULT_TOLERANCES, assert_matches_reference, case_spec, random_spec
 
 
@@ -56,7 +56,11 @@ class ConformanceSuite:
         return DeviceInfo.detect(device)
 
     def run_backend(self, problem: PrefillProblem, device: torch.device) -> torch.Tensor:
-        """Run the backend directly (selection bypassed), as a forced choice would."""
+        """Run the backend directly (selection bypassed), as a forced choice would.
+
+        It runs the way the dispatch does: through :meth:`~pagedprefill.Backend.bind`, whose returned plan then
+        computes the same problem again into a fresh output, which must be bit-identical (on GPUs that plan
+        launches the compiled kernel directly, the path every repeated call takes)."""
         validate_problem(problem, "full")
         info = self.device_info(device)
         backend = get_registry().get(self.backend)
@@ -64,7 +68,11 @@ class ConformanceSuite:
             pytest.skip(f"backend {self.backend!r} runs Triton kernels: on the CPU set TRITON_INTERPRET=1")
         check_features(backend, problem)
         backend.check_problem(problem, info)
-        backend.run(problem, info)
+        plan = backend.bind(problem, info)
+        again = fresh_output(problem)
+        assert plan(again), f"backend {self.backend!r}: its plan declined a problem of the same signature"
+        first, second = (t.out.float().nan_to_num(nan=1234.5) for t in (problem, again))
+        assert torch.equal(first, second), f"backend {self.backend!r}: the plan's launch differs from the first run"
         return problem.out
 
     def _skip_reason(self, spec: BatchSpec, device: torch.device, case: Optional[str] = None) -> Optional[str]:
