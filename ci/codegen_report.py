@@ -53,10 +53,15 @@ def report(quick: bool = False, devices=DEVICES, layouts=("split", "nhd"), log=p
                                        "num_seqs": len(spec.query_lens), "max_query_len": max(spec.query_lens)})
                 config = backend.tile_config(shape, device)
                 started = time.perf_counter()
-                summary = codegen_summary(make_problem(small_twin(spec)), config, capability)
                 row = {"device": device_name, "backend": backend.name, "workload": workload.name,
-                       "layout": layout, "tile": config.to_dict(), **summary.to_dict(),
-                       "compile_s": round(time.perf_counter() - started, 1)}
+                       "layout": layout, "tile": config.to_dict()}
+                try:
+                    summary = codegen_summary(make_problem(small_twin(spec)), config, capability)
+                except Exception as exc:  # the target cannot compile this kernel (an FP8 format it lacks, say)
+                    row["error"] = str(exc).strip().splitlines()[-1][:160]
+                else:
+                    row.update(summary.to_dict())
+                row["compile_s"] = round(time.perf_counter() - started, 1)
                 rows.append(row)
                 log(format_row(row))
     return rows
@@ -69,6 +74,8 @@ HEADER = (f"{'device':<6} {'workload':<30} {'layout':<6} {'tile':<22} {'regs':>4
 def format_row(r: dict) -> str:
     t = r["tile"]
     tile = f"{t['block_m']}x{t['block_n']} w{t['num_warps']} s{t['num_stages']} g{t['heads_per_tile']}"
+    if "error" in r:
+        return f"{r['device']:<6} {r['workload'][:30]:<30} {r['layout']:<6} {tile:<22} does not compile: {r['error']}"
     return (f"{r['device']:<6} {r['workload'][:30]:<30} {r['layout']:<6} {tile:<22} {r['registers'] or '?':>4} "
             f"{r['spill_bytes'] if r['spill_bytes'] is not None else '?':>5} {r['shared_bytes'] / 1024:>8.1f} "
             f"{r['dots']:<8} {r['async_copies']:>8} {r['pipelined_waits']:>9} {r['unpipelined_loads']:>10}")
@@ -79,6 +86,9 @@ def problems(rows: list[dict]) -> list[str]:
     out = []
     for r in rows:
         where = f"{r['device']} {r['workload']} {r['layout']}"
+        if "error" in r:
+            out.append(f"{where}: does not compile for this target: {r['error']}")
+            continue
         if r["spill_bytes"]:
             out.append(f"{where}: {r['spill_bytes']} bytes of register spills")
         if r["unpipelined_loads"]:

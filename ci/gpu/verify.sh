@@ -32,7 +32,7 @@ for step in $steps; do
       tail -n 30 "$out/conformance.log" ;;
     bench)
       [ -n "$fuzz_pid" ] && { wait "$fuzz_pid" || rc=1; tail -n 5 "$out/fuzz.log"; fuzz_pid=; }
-      python3 -m pagedprefill bench --layout both --no-reference --reps 100 --commit "$(git rev-parse --short HEAD 2>/dev/null)" \
+      python3 -m pagedprefill bench --layout both --no-reference --reps 100 --commit "${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" \
         --json "$out/bench.json" --png "$out/bench.png" 2>"$out/bench.log" | tee "$out/bench.txt" || rc=1 ;;
   esac
 done
