@@ -48,7 +48,7 @@ def call_signature(problem: PrefillProblem, backend: object, names: object) -> t
         _tensor(b.block_table), _tensor(b.query_start), _tensor(b.seq_lens), _tensor(b.context_lens),
         _tensor(o.alibi_slopes), _tensor(o.sinks), _tensor(c.k_scale), _tensor(c.v_scale),
         _tensor(o.fp8_out_scale), c.layout, c.dtype, b.max_query_len, o.sm_scale, o.sliding_window, o.softcap,
-        o.causal, o.skip_decode, backend if backend is None or isinstance(backend, str) else id(backend),
+        o.causal, o.skip_decode, backend,  # a Backend object is held by the key, so its identity stays unique
         os.environ.get("PAGEDPREFILL_BACKEND"), id(names), tables_state(),
     )
 

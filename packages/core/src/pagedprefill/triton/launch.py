@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import torch
 import triton
+from triton import knobs
 
 from ..accelerator import device_guard
 from ..tiling import ProblemShape, TileConfig, launch_grid, padded_head_size, settle
@@ -178,6 +179,12 @@ def launch_prefill(problem: PrefillProblem, config: TileConfig):
         return prefix_prefill_kernel[call.grid](*call.args, **call.kwargs)
 
 
+def _launches_hooked() -> bool:
+    """Whether something (a profiler) asked Triton to be told of every launch."""
+    hook = knobs.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def _aligned16(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0
 
@@ -210,8 +217,8 @@ class BoundLaunch:
     def __call__(self, tensors: tuple) -> bool:
         """Launch with ``tensors`` (:func:`call_tensors` of a problem with this signature) on the current
         stream of the device it was compiled for; False, launching nothing, when that is not possible."""
-        if torch.cuda.current_device() != self._device_index:
-            return False
+        if torch.cuda.current_device() != self._device_index or _launches_hooked():
+            return False  # another device is current, or a profiler hooks launches: Triton's own path serves
         for t, was in zip(tensors, self._aligned):
             if was and t.data_ptr() % 16:
                 return False  # the compiled code assumes 16-byte alignment this tensor lacks
