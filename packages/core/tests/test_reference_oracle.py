@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 import pagedprefill as pp
-import pagedprefill.reference as reference_module
+import pagedprefill.reference_impl as reference_module
 import pytest
 import torch
 from pagedprefill.testing import (

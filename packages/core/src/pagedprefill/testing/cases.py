@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from ..reference import reference_prefill
+from ..reference_impl import reference_prefill
 from ..types import PrefillProblem
 from .batches import BatchSpec, fresh_output
 

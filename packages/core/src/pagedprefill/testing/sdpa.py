@@ -30,7 +30,7 @@ def sdpa_float64(problem: PrefillProblem) -> torch.Tensor:
     p, opts = problem, problem.options
     if opts.softcap or opts.sinks is not None:
         raise ValueError("sdpa_float64: softcap and sinks have no counterpart in scaled_dot_product_attention; "
-                         "compare such problems with pagedprefill.reference.reference_prefill instead")
+                         "compare such problems with pagedprefill.reference_prefill instead")
     b = p.batch
     out = torch.zeros(p.q.shape, dtype=torch.float64, device=p.device)
     rows = zip(b.seq_lens.tolist(), b.context_lens.tolist(), b.query_start.tolist())

@@ -1,7 +1,8 @@
 """The reference implementation: plain PyTorch, vectorised per sequence, accumulating in float32 or float64.
 
-It is the test oracle of every backend and the built-in ``reference`` backend (so ``import pagedprefill``
-works on any device PyTorch supports). It reads lengths on the host, so it synchronises with the device.
+It is the test oracle of every backend, and what the built-in ``reference`` backend
+(:mod:`pagedprefill.backends.reference`) runs, so ``import pagedprefill`` works on any device PyTorch
+supports. It reads lengths on the host, so it synchronises with the device.
 
 Semantics, shared by every backend:
 
