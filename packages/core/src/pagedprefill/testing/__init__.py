@@ -5,7 +5,7 @@ so its options and fixtures are available wherever pagedprefill is installed. :c
 needs pytest and is imported on first access; the rest works without it.
 """
 
-from .batches import BatchSpec, fresh_output, make_problem, with_output
+from ..workloads import BatchSpec, fresh_output, make_problem, with_output
 from .cases import CASES, DEFAULT_TOLERANCES, assert_matches_reference, case_spec, random_spec
 from .sdpa import sdpa_float64
 
