@@ -55,8 +55,8 @@ def sdpa_peers(problem: PrefillProblem) -> dict[str, Callable[[], object]]:
         q = p.q[s0:s0 + n].transpose(0, 1).unsqueeze(0).contiguous()
         mask = causal_lower_right(n, s)
         seqs.append((q, k, v, mask))
-    window = p.options.window
-    if window or p.options.alibi_slopes is not None or p.options.softcap or p.options.sinks is not None:
+    o = p.options
+    if o.sliding_window is not None or o.alibi_slopes is not None or o.softcap or o.sinks is not None:
         return {}  # SDPA's fused kernels have no window/ALiBi/softcap/sinks: no like-for-like peer
 
     def run_all():

@@ -72,8 +72,8 @@ def _additive_mask(p: PrefillProblem, first: int, last: int, seq_len: int) -> to
     key_pos = torch.arange(seq_len, device=p.device)
     distance = (query_pos[:, None] - key_pos[None, :]).double()  # [rows, S]
     visible = distance >= 0 if p.options.causal else torch.ones_like(distance, dtype=torch.bool)
-    window = p.options.window
-    if window > 0:
+    window = p.options.sliding_window
+    if window is not None:
         visible &= distance < window
     bias = torch.zeros((p.num_heads, *distance.shape), dtype=torch.float64, device=p.device)
     slopes = p.options.alibi_slopes
