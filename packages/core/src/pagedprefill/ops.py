@@ -112,35 +112,12 @@ def _out_scale(fp8_out_scale: float, fp8_out_scale_tensor: Optional[torch.Tensor
     return _from_schema("fp8_out_scale", fp8_out_scale)
 
 
-def build_problem(
-    q: torch.Tensor,
-    k: Optional[torch.Tensor],
-    v: Optional[torch.Tensor],
-    out: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    query_start: torch.Tensor,
-    seq_lens: torch.Tensor,
-    context_lens: torch.Tensor,
-    layout: str = "auto",
-    kv_cache_dtype: str = "auto",
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    k_scale_tensor: Optional[torch.Tensor] = None,
-    v_scale_tensor: Optional[torch.Tensor] = None,
-    sm_scale: float = 0.0,
-    sliding_window: int = 0,
-    softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None,
-    sinks: Optional[torch.Tensor] = None,
-    max_query_len: int = -1,
-    causal: bool = True,
-    skip_decode: bool = False,
-    fp8_out_scale: float = 0.0,
-    fp8_out_scale_tensor: Optional[torch.Tensor] = None,
-) -> PrefillProblem:
-    """The :class:`PrefillProblem` an operator call describes (the operators' scalar conventions applied)."""
+def build_problem(*args, **kwargs) -> PrefillProblem:
+    """The :class:`PrefillProblem` an in-place operator call describes, from the arguments of
+    ``torch.ops.pagedprefill.prefill_attention_`` (positional or by name; ``backend``, ``validate`` and
+    ``argument_names`` are ignored), the schema's sentinels converted to ``None`` (:data:`SCHEMA_ABSENT`)."""
+    a = _bound(inspect.signature(_prefill_attention_inplace), args, kwargs)
+    layout = a["layout"]
     if not isinstance(layout, str):
         raise TypeError(f"layout: expected 'nhd', 'split' or 'auto', got {type(layout).__name__}")
     cache_layout = None
@@ -149,15 +126,17 @@ def build_problem(
             cache_layout = KVLayout(layout.lower())
         except ValueError:
             raise ValueError(f"layout: expected 'nhd', 'split' or 'auto', got {layout!r}") from None
+    tensors = [a[name] for name in ("q", "k", "v", "out", "k_cache", "v_cache", "block_table", "query_start",
+                                    "seq_lens", "context_lens")]
     return PrefillProblem.from_tensors(
-        q, k, v, out, k_cache, v_cache, block_table, query_start, seq_lens, context_lens, layout=cache_layout,
-        kv_cache_dtype=kv_cache_dtype,
-        k_scale=k_scale_tensor if k_scale_tensor is not None else k_scale,
-        v_scale=v_scale_tensor if v_scale_tensor is not None else v_scale,
-        max_query_len=_from_schema("max_query_len", max_query_len), sm_scale=_from_schema("sm_scale", sm_scale),
-        alibi_slopes=alibi_slopes, sliding_window=_from_schema("sliding_window", sliding_window), softcap=softcap,
-        sinks=sinks, causal=causal, skip_decode=skip_decode,
-        fp8_out_scale=_out_scale(fp8_out_scale, fp8_out_scale_tensor),
+        *tensors, layout=cache_layout, kv_cache_dtype=a["kv_cache_dtype"],
+        k_scale=a["k_scale_tensor"] if a["k_scale_tensor"] is not None else a["k_scale"],
+        v_scale=a["v_scale_tensor"] if a["v_scale_tensor"] is not None else a["v_scale"],
+        max_query_len=_from_schema("max_query_len", a["max_query_len"]),
+        sm_scale=_from_schema("sm_scale", a["sm_scale"]), alibi_slopes=a["alibi_slopes"],
+        sliding_window=_from_schema("sliding_window", a["sliding_window"]), softcap=a["softcap"], sinks=a["sinks"],
+        causal=a["causal"], skip_decode=a["skip_decode"],
+        fp8_out_scale=_out_scale(a["fp8_out_scale"], a["fp8_out_scale_tensor"]),
     )
 
 
@@ -206,13 +185,6 @@ def _check(problem: PrefillProblem, argument_names: str) -> None:
     validate_problem(problem, "basic", _names(argument_names))
 
 
-def _problem(arguments: dict) -> PrefillProblem:
-    """:func:`build_problem` from an operator's arguments by name (``backend``, ``validate`` and
-    ``argument_names`` aside)."""
-    return build_problem(**{k: v for k, v in arguments.items()
-                            if k not in ("backend", "validate", "argument_names")})
-
-
 def _bound(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
     """An operator call's arguments by name, defaults filled in (how the fake implementations read them)."""
     bound = signature.bind(*args, **kwargs)
@@ -253,7 +225,7 @@ def _prefill_attention(
     """Prefix-prefill attention over a paged KV cache; returns a new ``[T, H, D]`` tensor (see the module)."""
     arguments = dict(locals())
     out = _new_output(q, _out_scale(fp8_out_scale, fp8_out_scale_tensor), skip_decode)
-    _run(_problem(dict(arguments, out=out)), backend, validate, argument_names)
+    _run(build_problem(**dict(arguments, out=out)), backend, validate, argument_names)
     return out
 
 
@@ -267,7 +239,7 @@ def _prefill_attention_fake(*args, **kwargs):
     fp8_out = _out_scale(arguments["fp8_out_scale"], arguments["fp8_out_scale_tensor"]) is not None
     q = arguments["q"]
     out = torch.empty_like(q, dtype=torch.float8_e4m3fn if fp8_out else q.dtype)
-    _check(_problem(dict(arguments, out=out)), arguments["argument_names"])
+    _check(build_problem(**dict(arguments, out=out)), arguments["argument_names"])
     return out
 
 
@@ -303,7 +275,7 @@ def _prefill_attention_inplace(
     argument_names: str = "native",
 ) -> None:
     """Prefix-prefill attention over a paged KV cache, written into ``out`` ``[T, H, D]`` (see the module)."""
-    _run(_problem(dict(locals())), backend, validate, argument_names)
+    _run(build_problem(**locals()), backend, validate, argument_names)
 
 
 prefill_attention_ = torch.library.custom_op(f"{LIBRARY_NAMESPACE}::prefill_attention_", _prefill_attention_inplace,
@@ -313,5 +285,5 @@ prefill_attention_ = torch.library.custom_op(f"{LIBRARY_NAMESPACE}::prefill_atte
 @prefill_attention_.register_fake
 def _prefill_attention_inplace_fake(*args, **kwargs):
     arguments = _bound(inspect.signature(_prefill_attention_inplace), args, kwargs)
-    _check(_problem(arguments), arguments["argument_names"])
+    _check(build_problem(**arguments), arguments["argument_names"])
     return None
