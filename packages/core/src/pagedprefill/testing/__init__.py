@@ -1,4 +1,5 @@
-"""Test support shipped with pagedprefill: random paged batches and the backend conformance suite.
+"""Test support shipped with pagedprefill: the backend conformance suite and its cases, and the random
+paged batches of :mod:`pagedprefill.workloads` (re-exported here).
 
 The pytest plugin in :mod:`pagedprefill.testing.plugin` is registered through the ``pytest11`` entry point,
 so its options and fixtures are available wherever pagedprefill is installed. :class:`ConformanceSuite`
