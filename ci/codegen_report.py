@@ -23,10 +23,9 @@ import time
 
 from pagedprefill.api import select_backend
 from pagedprefill.backends.triton_base import problem_shape
-from pagedprefill.bench import default_suite
-from pagedprefill.cli import described_devices
-from pagedprefill.testing.batches import make_problem
+from pagedprefill.cli.info import described_devices
 from pagedprefill.triton.codegen import codegen_summary
+from pagedprefill.workloads import default_suite, make_problem
 
 DEVICES = {"h200": 90, "a100": 80}
 

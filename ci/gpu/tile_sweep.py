@@ -16,10 +16,11 @@ import time
 
 import torch
 import triton.testing
-from pagedprefill.bench import default_suite, flops, sdpa_peers
+from pagedprefill.cli.bench import sdpa_peers
 from pagedprefill.testing import DEFAULT_TOLERANCES, assert_matches_reference, fresh_output, make_problem
 from pagedprefill.tiling import TileConfig
 from pagedprefill.triton.launch import launch_prefill
+from pagedprefill.workloads import default_suite, flops
 
 
 def T(m, n, w, s, g=1, pagewise=False):

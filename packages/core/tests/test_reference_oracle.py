@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 import pagedprefill as pp
-import pagedprefill.reference as reference_module
+import pagedprefill.reference_impl as reference_module
 import pytest
 import torch
 from pagedprefill.testing import (
@@ -289,7 +289,7 @@ def test_rows_with_no_visible_key_are_zero():
     key_pos = torch.arange(2, 7)  # queries 0 and 1 precede every key; query 7 sees keys 2..6
     sinks = torch.tensor([0.5, -1.0], dtype=torch.float64)
     slopes = torch.tensor([0.25, 0.5], dtype=torch.float64)
-    for sk, sl, softcap, window in ((None, None, 0.0, 0), (sinks, None, 0.0, 0), (sinks, slopes, 4.0, 0),
+    for sk, sl, softcap, window in ((None, None, 0.0, None), (sinks, None, 0.0, None), (sinks, slopes, 4.0, None),
                                     (None, slopes, 0.0, 3)):
         out = reference_module._attend(query, keys, values, query_pos, key_pos, 0.3, softcap, sl, sk, window)
         assert torch.equal(out[:2], torch.zeros(2, 2, 8, dtype=torch.float64))

@@ -35,7 +35,7 @@ from .api import (
 )
 from .cache import allocate_cache, fp8_scale_for, gather_kv, quantize_fp8, write_to_cache
 from .device import DeviceInfo
-from .reference import reference_prefill
+from .reference_impl import reference_prefill
 from .registry import (
     ENTRY_POINT_GROUP,
     ENV_BACKEND,

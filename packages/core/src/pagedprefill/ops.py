@@ -41,6 +41,11 @@ argument                   default                 meaning
                                                    (``b_loc``, ``b_ctx_len``...) or ``"vllm"``
 ========================== ======================= ================================================
 
+An operator's schema has no ``None`` for a float or an int, so ``sm_scale``, ``sliding_window``,
+``max_query_len`` and ``fp8_out_scale`` say "absent" with the sentinels above (:data:`SCHEMA_ABSENT`), where the
+typed objects (:class:`~pagedprefill.AttentionOptions`, :class:`~pagedprefill.BatchMetadata`) say ``None``.
+This module is the one place that converts between the two (:func:`build_problem` and :func:`op_arguments`).
+
 ``k`` and ``v`` may both be None: the new tokens' keys/values are then read from the paged cache. With an
 FP8 output the functional operator returns ``float8_e4m3fn``; the in-place one writes ``out`` (FP8 e4m3).
 
@@ -71,6 +76,7 @@ backend, as with the Python API.
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import torch
@@ -79,40 +85,39 @@ from .api import _new_output, dispatch
 from .types import KVLayout, PrefillProblem
 from .validation import ARGUMENT_NAMES, ArgumentNames, validate_problem
 
-__all__ = ["LIBRARY_NAMESPACE", "build_problem", "op_arguments", "prefill_attention", "prefill_attention_"]
+__all__ = ["LIBRARY_NAMESPACE", "SCHEMA_ABSENT", "build_problem", "op_arguments", "prefill_attention",
+           "prefill_attention_"]
 
 LIBRARY_NAMESPACE = "pagedprefill"
 
+#: The operators' value for an absent scalar option (``None`` in the typed objects). Any value not above it
+#: means absent too: ``sm_scale <= 0``, ``sliding_window <= 0``, ``max_query_len < 0``, ``fp8_out_scale <= 0``.
+SCHEMA_ABSENT = {"sm_scale": 0.0, "sliding_window": 0, "max_query_len": -1, "fp8_out_scale": 0.0}
 
-def build_problem(
-    q: torch.Tensor,
-    k: Optional[torch.Tensor],
-    v: Optional[torch.Tensor],
-    out: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    query_start: torch.Tensor,
-    seq_lens: torch.Tensor,
-    context_lens: torch.Tensor,
-    layout: str = "auto",
-    kv_cache_dtype: str = "auto",
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    k_scale_tensor: Optional[torch.Tensor] = None,
-    v_scale_tensor: Optional[torch.Tensor] = None,
-    sm_scale: float = 0.0,
-    sliding_window: int = 0,
-    softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None,
-    sinks: Optional[torch.Tensor] = None,
-    max_query_len: int = -1,
-    causal: bool = True,
-    skip_decode: bool = False,
-    fp8_out_scale: float = 0.0,
-    fp8_out_scale_tensor: Optional[torch.Tensor] = None,
-) -> PrefillProblem:
-    """The :class:`PrefillProblem` an operator call describes (the operators' scalar conventions applied)."""
+
+def _from_schema(name: str, value):
+    """An operator's scalar ``name`` as the typed objects hold it: None when it says absent."""
+    return value if value > SCHEMA_ABSENT[name] else None
+
+
+def _to_schema(name: str, value):
+    """The typed objects' ``value`` of ``name`` as an operator argument: the sentinel for None."""
+    return SCHEMA_ABSENT[name] if value is None else value
+
+
+def _out_scale(fp8_out_scale: float, fp8_out_scale_tensor: Optional[torch.Tensor]):
+    """The FP8 output scale an operator call describes (the tensor wins), None without one."""
+    if fp8_out_scale_tensor is not None:
+        return fp8_out_scale_tensor
+    return _from_schema("fp8_out_scale", fp8_out_scale)
+
+
+def build_problem(*args, **kwargs) -> PrefillProblem:
+    """The :class:`PrefillProblem` an in-place operator call describes, from the arguments of
+    ``torch.ops.pagedprefill.prefill_attention_`` (positional or by name; ``backend``, ``validate`` and
+    ``argument_names`` are ignored), the schema's sentinels converted to ``None`` (:data:`SCHEMA_ABSENT`)."""
+    a = _bound(inspect.signature(_prefill_attention_inplace), args, kwargs)
+    layout = a["layout"]
     if not isinstance(layout, str):
         raise TypeError(f"layout: expected 'nhd', 'split' or 'auto', got {type(layout).__name__}")
     cache_layout = None
@@ -121,19 +126,17 @@ def build_problem(
             cache_layout = KVLayout(layout.lower())
         except ValueError:
             raise ValueError(f"layout: expected 'nhd', 'split' or 'auto', got {layout!r}") from None
-    if fp8_out_scale_tensor is not None:
-        out_scale = fp8_out_scale_tensor
-    else:
-        out_scale = fp8_out_scale if fp8_out_scale > 0 else None
+    tensors = [a[name] for name in ("q", "k", "v", "out", "k_cache", "v_cache", "block_table", "query_start",
+                                    "seq_lens", "context_lens")]
     return PrefillProblem.from_tensors(
-        q, k, v, out, k_cache, v_cache, block_table, query_start, seq_lens, context_lens, layout=cache_layout,
-        kv_cache_dtype=kv_cache_dtype,
-        k_scale=k_scale_tensor if k_scale_tensor is not None else k_scale,
-        v_scale=v_scale_tensor if v_scale_tensor is not None else v_scale,
-        max_query_len=max_query_len if max_query_len >= 0 else None,
-        sm_scale=sm_scale if sm_scale > 0 else None, alibi_slopes=alibi_slopes,
-        sliding_window=sliding_window if sliding_window > 0 else None, softcap=softcap, sinks=sinks,
-        causal=causal, skip_decode=skip_decode, fp8_out_scale=out_scale,
+        *tensors, layout=cache_layout, kv_cache_dtype=a["kv_cache_dtype"],
+        k_scale=a["k_scale_tensor"] if a["k_scale_tensor"] is not None else a["k_scale"],
+        v_scale=a["v_scale_tensor"] if a["v_scale_tensor"] is not None else a["v_scale"],
+        max_query_len=_from_schema("max_query_len", a["max_query_len"]),
+        sm_scale=_from_schema("sm_scale", a["sm_scale"]), alibi_slopes=a["alibi_slopes"],
+        sliding_window=_from_schema("sliding_window", a["sliding_window"]), softcap=a["softcap"], sinks=a["sinks"],
+        causal=a["causal"], skip_decode=a["skip_decode"],
+        fp8_out_scale=_out_scale(a["fp8_out_scale"], a["fp8_out_scale_tensor"]),
     )
 
 
@@ -146,9 +149,10 @@ def op_arguments(problem: PrefillProblem, backend: str = "") -> tuple[tuple, dic
     c, b, o = problem.cache, problem.batch, problem.options
     tensors = (problem.q, problem.k, problem.v, c.key, c.value, b.block_table, b.query_start, b.seq_lens,
                b.context_lens)
-    kwargs = dict(layout=c.layout.value, kv_cache_dtype=c.dtype.value, sm_scale=o.sm_scale or 0.0,
-                  sliding_window=o.window, softcap=float(o.softcap), alibi_slopes=o.alibi_slopes, sinks=o.sinks,
-                  max_query_len=-1 if b.max_query_len is None else b.max_query_len, backend=backend)
+    kwargs = dict(layout=c.layout.value, kv_cache_dtype=c.dtype.value, sm_scale=_to_schema("sm_scale", o.sm_scale),
+                  sliding_window=_to_schema("sliding_window", o.sliding_window), softcap=float(o.softcap),
+                  alibi_slopes=o.alibi_slopes, sinks=o.sinks,
+                  max_query_len=_to_schema("max_query_len", b.max_query_len), backend=backend)
     if not o.causal:
         kwargs["causal"] = False
     if o.skip_decode:
@@ -181,15 +185,14 @@ def _check(problem: PrefillProblem, argument_names: str) -> None:
     validate_problem(problem, "basic", _names(argument_names))
 
 
-def _problem(arguments: dict) -> PrefillProblem:
-    """:func:`build_problem` from an operator's arguments by name (``backend``, ``validate`` and
-    ``argument_names`` aside)."""
-    return build_problem(**{k: v for k, v in arguments.items()
-                            if k not in ("backend", "validate", "argument_names")})
+def _bound(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
+    """An operator call's arguments by name, defaults filled in (how the fake implementations read them)."""
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
 
 
-@torch.library.custom_op(f"{LIBRARY_NAMESPACE}::prefill_attention", mutates_args=())
-def prefill_attention(
+def _prefill_attention(
     q: torch.Tensor,
     k: Optional[torch.Tensor],
     v: Optional[torch.Tensor],
@@ -221,29 +224,26 @@ def prefill_attention(
 ) -> torch.Tensor:
     """Prefix-prefill attention over a paged KV cache; returns a new ``[T, H, D]`` tensor (see the module)."""
     arguments = dict(locals())
-    out = _new_output(q, fp8_out_scale_tensor if fp8_out_scale_tensor is not None else fp8_out_scale or None,
-                      skip_decode)
-    _run(_problem(dict(arguments, out=out)), backend, validate, argument_names)
+    out = _new_output(q, _out_scale(fp8_out_scale, fp8_out_scale_tensor), skip_decode)
+    _run(build_problem(**dict(arguments, out=out)), backend, validate, argument_names)
     return out
+
+
+prefill_attention = torch.library.custom_op(f"{LIBRARY_NAMESPACE}::prefill_attention", _prefill_attention,
+                                            mutates_args=())
 
 
 @prefill_attention.register_fake
-def _prefill_attention_fake(
-    q, k, v, k_cache, v_cache, block_table, query_start, seq_lens, context_lens, layout="auto",
-    kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, k_scale_tensor=None, v_scale_tensor=None, sm_scale=0.0,
-    sliding_window=0, softcap=0.0, alibi_slopes=None, sinks=None, max_query_len=-1, backend="", causal=True,
-    skip_decode=False, fp8_out_scale=0.0, fp8_out_scale_tensor=None, validate="basic",
-    argument_names="native",
-):
-    arguments = dict(locals())
-    fp8_out = fp8_out_scale_tensor is not None or fp8_out_scale > 0
+def _prefill_attention_fake(*args, **kwargs):
+    arguments = _bound(inspect.signature(_prefill_attention), args, kwargs)
+    fp8_out = _out_scale(arguments["fp8_out_scale"], arguments["fp8_out_scale_tensor"]) is not None
+    q = arguments["q"]
     out = torch.empty_like(q, dtype=torch.float8_e4m3fn if fp8_out else q.dtype)
-    _check(_problem(dict(arguments, out=out)), argument_names)
+    _check(build_problem(**dict(arguments, out=out)), arguments["argument_names"])
     return out
 
 
-@torch.library.custom_op(f"{LIBRARY_NAMESPACE}::prefill_attention_", mutates_args=("out",))
-def prefill_attention_(
+def _prefill_attention_inplace(
     q: torch.Tensor,
     k: Optional[torch.Tensor],
     v: Optional[torch.Tensor],
@@ -275,16 +275,15 @@ def prefill_attention_(
     argument_names: str = "native",
 ) -> None:
     """Prefix-prefill attention over a paged KV cache, written into ``out`` ``[T, H, D]`` (see the module)."""
-    _run(_problem(dict(locals())), backend, validate, argument_names)
+    _run(build_problem(**locals()), backend, validate, argument_names)
+
+
+prefill_attention_ = torch.library.custom_op(f"{LIBRARY_NAMESPACE}::prefill_attention_", _prefill_attention_inplace,
+                                             mutates_args=("out",))
 
 
 @prefill_attention_.register_fake
-def _prefill_attention_inplace_fake(
-    q, k, v, out, k_cache, v_cache, block_table, query_start, seq_lens, context_lens, layout="auto",
-    kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, k_scale_tensor=None, v_scale_tensor=None, sm_scale=0.0,
-    sliding_window=0, softcap=0.0, alibi_slopes=None, sinks=None, max_query_len=-1, backend="", causal=True,
-    skip_decode=False, fp8_out_scale=0.0, fp8_out_scale_tensor=None, validate="basic",
-    argument_names="native",
-):
-    _check(_problem(dict(locals())), argument_names)
+def _prefill_attention_inplace_fake(*args, **kwargs):
+    arguments = _bound(inspect.signature(_prefill_attention_inplace), args, kwargs)
+    _check(build_problem(**arguments), arguments["argument_names"])
     return None

@@ -42,8 +42,9 @@ def padded_head_size(head_size: int) -> int:
 class ProblemShape:
     """The data-free description of a call that tiling policies decide on.
 
-    ``max_query_len`` is the caller's hint (None when not given); ``num_tokens``/``num_seqs`` are the tensor
-    extents, so a policy can tell a batch of short queries from a long prefill without reading lengths.
+    ``max_query_len`` is the caller's hint (None when not given); ``sliding_window`` is None without a window;
+    ``num_tokens``/``num_seqs`` are the tensor extents, so a policy can tell a batch of short queries from a
+    long prefill without reading lengths.
     """
 
     head_size: int
@@ -55,7 +56,7 @@ class ProblemShape:
     num_tokens: int = 0
     num_seqs: int = 1
     max_query_len: Optional[int] = None
-    sliding_window: int = 0
+    sliding_window: Optional[int] = None
     layout: str = "nhd"
 
     @property

@@ -185,7 +185,9 @@ class AttentionOptions:
     Attributes:
         sm_scale: softmax scale; ``None`` means ``1 / sqrt(head_size)``.
         alibi_slopes: ``[H]`` float tensor; adds ``slope * (key_pos - query_pos)`` to the logits.
-        sliding_window: ``None`` or 0 for none; else a query sees keys with ``query_pos - key_pos < window``.
+        sliding_window: ``None`` for none; else a query sees keys with ``query_pos - key_pos < window``.
+            0 is accepted as "none" and stored as ``None``, so that ``None`` is the only form of "no window"
+            inside the library.
         softcap: logit soft-capping ``c * tanh(s / c)`` applied to scaled logits before ALiBi; 0 = off.
         sinks: ``[H]`` float tensor of per-head sink logits added to each softmax denominator.
         causal: ``True`` (default): a new token sees the new tokens up to and including itself. ``False``:
@@ -207,10 +209,10 @@ class AttentionOptions:
     skip_decode: bool = False
     fp8_out_scale: Optional[ScaleLike] = None
 
-    @property
-    def window(self) -> int:
-        """The sliding window as an int, 0 meaning none."""
-        return int(self.sliding_window or 0)
+    def __post_init__(self) -> None:
+        w = self.sliding_window
+        if isinstance(w, int) and not isinstance(w, bool) and w == 0:
+            object.__setattr__(self, "sliding_window", None)
 
 
 @dataclass(frozen=True)
@@ -266,8 +268,10 @@ class PrefillProblem:
         """The problem described by plain tensors and scalars: the one builder behind the drop-in
         signatures and the custom operators.
 
-        ``layout=None`` reads the layout from ``k_cache`` (5-D: split, else NHD); an int ``sliding_window``
-        ``<= 0`` means no window. Nothing is validated here (see :func:`~pagedprefill.validate_problem`).
+        ``layout=None`` reads the layout from ``k_cache`` (5-D: split, else NHD). An int ``sliding_window``
+        ``<= 0`` means no window (the convention of the drop-in signatures; stored as ``None``). Every other
+        argument keeps the typed objects' form: ``None`` for an absent ``sm_scale``, ``max_query_len`` or
+        ``fp8_out_scale``. Nothing is validated here (see :func:`~pagedprefill.validate_problem`).
         """
         if layout is None:
             layout = KVLayout.SPLIT if isinstance(k_cache, torch.Tensor) and k_cache.dim() == 5 else KVLayout.NHD

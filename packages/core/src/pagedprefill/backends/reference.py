@@ -1,9 +1,12 @@
-"""The built-in ``reference`` backend: PyTorch ops on any device, lowest priority."""
+"""The built-in ``reference`` backend: PyTorch ops on any device, lowest priority.
+
+A thin wrapper; the implementation itself is :func:`pagedprefill.reference_impl.reference_prefill`.
+"""
 
 from __future__ import annotations
 
 from ..device import DeviceInfo
-from ..reference import reference_prefill
+from ..reference_impl import reference_prefill
 from ..registry import Backend, hookimpl
 from ..types import FEATURES, PrefillProblem
 

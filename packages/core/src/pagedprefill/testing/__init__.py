@@ -1,11 +1,12 @@
-"""Test support shipped with pagedprefill: random paged batches and the backend conformance suite.
+"""Test support shipped with pagedprefill: the backend conformance suite and its cases, and the random
+paged batches of :mod:`pagedprefill.workloads` (re-exported here).
 
 The pytest plugin in :mod:`pagedprefill.testing.plugin` is registered through the ``pytest11`` entry point,
 so its options and fixtures are available wherever pagedprefill is installed. :class:`ConformanceSuite`
 needs pytest and is imported on first access; the rest works without it.
 """
 
-from .batches import BatchSpec, fresh_output, make_problem, with_output
+from ..workloads import BatchSpec, fresh_output, make_problem, with_output
 from .cases import CASES, DEFAULT_TOLERANCES, assert_matches_reference, case_spec, random_spec
 from .sdpa import sdpa_float64
 

@@ -6,9 +6,9 @@ import random
 
 import torch
 
-from ..reference import reference_prefill
+from ..reference_impl import reference_prefill
 from ..types import PrefillProblem
-from .batches import BatchSpec, fresh_output
+from ..workloads import BatchSpec, fresh_output
 
 #: (atol, rtol) per query dtype for N(0, 1) data; FP8 caches compare against the reference on the same
 #: dequantised cache, so they use the query dtype's tolerance too.

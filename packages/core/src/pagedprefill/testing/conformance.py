@@ -34,7 +34,7 @@ from ..features import check_features, missing_features
 from ..registry import UnsupportedFeatureError
 from ..types import KVCacheDType, PrefillProblem
 from ..validation import validate_problem
-from .batches import BatchSpec, fresh_output, make_problem
+from ..workloads import BatchSpec, fresh_output, make_problem
 from .cases import BASE, CASES, DEFAULT_TOLERANCES, assert_matches_reference, case_spec, random_spec
 
 

@@ -52,7 +52,7 @@ from ..api import get_registry, select_backend
 from ..device import DeviceInfo, interpreter_enabled
 from ..registry import Backend, UnsupportedFeatureError
 from ..validation import validate_problem
-from .batches import BatchSpec, make_problem
+from ..workloads import BatchSpec, make_problem
 from .cases import DEFAULT_TOLERANCES, assert_matches_reference
 
 #: Head sizes of the GPU mode (each one is a kernel specialisation).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .batches import BatchSpec, make_problem
+from ..workloads import BatchSpec, make_problem
 
 #: Triton's CPU interpreter converts 1-element numpy arrays to ints in a way NumPy >= 1.25 deprecates, once
 #: per indexed element: tens of thousands of identical warnings per run that say nothing about the code under

@@ -30,7 +30,7 @@ def sdpa_float64(problem: PrefillProblem) -> torch.Tensor:
     p, opts = problem, problem.options
     if opts.softcap or opts.sinks is not None:
         raise ValueError("sdpa_float64: softcap and sinks have no counterpart in scaled_dot_product_attention; "
-                         "compare such problems with pagedprefill.reference.reference_prefill instead")
+                         "compare such problems with pagedprefill.reference_prefill instead")
     b = p.batch
     out = torch.zeros(p.q.shape, dtype=torch.float64, device=p.device)
     rows = zip(b.seq_lens.tolist(), b.context_lens.tolist(), b.query_start.tolist())
@@ -72,8 +72,8 @@ def _additive_mask(p: PrefillProblem, first: int, last: int, seq_len: int) -> to
     key_pos = torch.arange(seq_len, device=p.device)
     distance = (query_pos[:, None] - key_pos[None, :]).double()  # [rows, S]
     visible = distance >= 0 if p.options.causal else torch.ones_like(distance, dtype=torch.bool)
-    window = p.options.window
-    if window > 0:
+    window = p.options.sliding_window
+    if window is not None:
         visible &= distance < window
     bias = torch.zeros((p.num_heads, *distance.shape), dtype=torch.float64, device=p.device)
     slopes = p.options.alibi_slopes

@@ -135,6 +135,7 @@ def kernel_call(problem: PrefillProblem, config: TileConfig) -> Optional[KernelC
     v_scale, _, v_from_ptr = _scale_arg(p.cache.v_scale, fp8, q)
     opts = p.options
     causal, skip_decode = opts.causal, opts.skip_decode
+    window = opts.sliding_window  # None: no window (the kernel's int argument is then unused; 0 is passed)
     out_scale = opts.fp8_out_scale
     out_scale_value = 1.0 if out_scale is None or isinstance(out_scale, torch.Tensor) else float(out_scale)
     new_kv_in_cache = p.k is None
@@ -144,7 +145,7 @@ def kernel_call(problem: PrefillProblem, config: TileConfig) -> Optional[KernelC
     tensors = call_tensors(p)
     tensors = tensors[:4] + (key, value) + tensors[6:]  # FP8 bytes as float8: the kernel converts them
     scalars = (
-        p.sm_scale, k_scale, v_scale, out_scale_value, float(opts.softcap), opts.window,
+        p.sm_scale, k_scale, v_scale, out_scale_value, float(opts.softcap), window or 0,
         B, T, p.cache.num_blocks, table.shape[1], bs, group,
         q.stride(0), q.stride(1), *new_strides, out.stride(0), out.stride(1),
         *ks, *vs,
@@ -153,7 +154,7 @@ def kernel_call(problem: PrefillProblem, config: TileConfig) -> Optional[KernelC
     constexprs = dict(
         HEAD_SIZE=D, HEAD_SIZE_PADDED=d_pad, X=x,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEADS_PER_TILE=config.heads_per_tile,
-        HEAD_CHUNKS=head_chunks, SPLIT_MASKS=config.split_masks, WINDOW=opts.window > 0,
+        HEAD_CHUNKS=head_chunks, SPLIT_MASKS=config.split_masks, WINDOW=window is not None,
         SOFTCAP=opts.softcap > 0, ALIBI=opts.alibi_slopes is not None, SINKS=opts.sinks is not None,
         K_SCALE_PTR=k_from_ptr, V_SCALE_PTR=v_from_ptr, PAGE_SIZE=bs if config.pagewise else 0,
         SPLIT_CACHE=p.cache.layout is KVLayout.SPLIT, K_ALIGN=k_align, V_ALIGN=v_align,

@@ -1,7 +1,8 @@
 """The reference implementation: plain PyTorch, vectorised per sequence, accumulating in float32 or float64.
 
-It is the test oracle of every backend and the built-in ``reference`` backend (so ``import pagedprefill``
-works on any device PyTorch supports). It reads lengths on the host, so it synchronises with the device.
+It is the test oracle of every backend, and what the built-in ``reference`` backend
+(:mod:`pagedprefill.backends.reference`) runs, so ``import pagedprefill`` works on any device PyTorch
+supports. It reads lengths on the host, so it synchronises with the device.
 
 Semantics, shared by every backend:
 
@@ -44,7 +45,7 @@ def reference_prefill(problem: PrefillProblem, compute_dtype: torch.dtype = torc
     opts = p.options
     slopes = opts.alibi_slopes.to(compute_dtype) if opts.alibi_slopes is not None else None
     sinks = opts.sinks.to(compute_dtype) if opts.sinks is not None else None
-    window = opts.window
+    window = opts.sliding_window
     for i, (seq_len, ctx) in enumerate(zip(seq_lens, ctx_lens)):
         n = seq_len - ctx
         if n <= 0 or (opts.skip_decode and n == 1):
@@ -88,7 +89,7 @@ def _attend(query, keys, values, query_pos, key_pos, sm_scale, softcap, slopes, 
     if slopes is not None:
         scores = scores - slopes[:, None, None] * distance[None].to(scores.dtype)
     visible = distance >= 0 if causal else torch.ones_like(distance, dtype=torch.bool)
-    if window > 0:
+    if window is not None:
         visible &= distance < window
     scores = scores.masked_fill(~visible[None], float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True)  # [H, n, 1]

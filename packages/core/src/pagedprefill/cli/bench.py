@@ -18,65 +18,15 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-from . import accelerator
-from .cache import gather_kv
-from .testing.batches import BatchSpec, fresh_output, make_problem
-from .types import PrefillProblem
-
-LLAMA3_8B = dict(num_heads=32, num_kv_heads=8, head_size=128, block_size=16, dtype=torch.bfloat16)
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    spec: BatchSpec
-    note: str = ""
-
-
-def default_suite() -> list[Workload]:
-    """The suite of the performance table (Llama-3-8B shapes unless the name says otherwise)."""
-    base = BatchSpec(**LLAMA3_8B, spare_blocks=0)
-    prefix = base.replace(query_lens=(1024,) * 8, context_lens=(7168,) * 8)
-    chunked = base.replace(query_lens=(2048,) * 4, context_lens=(0, 10000, 20000, 30000))
-    short_ctx = tuple(1024 + (3072 * i) // 63 for i in range(64))
-    return [
-        Workload("prefix-cached 8x(1024+7168)", prefix),
-        Workload("long prefill 2x8192", base.replace(query_lens=(8192,) * 2, context_lens=(0, 0))),
-        Workload("chunked 4x2048 ctx 0..30k", chunked),
-        Workload("many short 64x128 ctx 1k..4k", base.replace(query_lens=(128,) * 64, context_lens=short_ctx)),
-        Workload("D64 prefix-cached", prefix.replace(head_size=64)),
-        Workload("D96 prefix-cached", prefix.replace(head_size=96)),
-        Workload("D256 prefix-cached", prefix.replace(head_size=256)),
-        Workload("fp16 prefix-cached", prefix.replace(dtype=torch.float16)),
-        Workload("FP8 e4m3 KV prefix-cached", prefix.replace(kv_cache_dtype="fp8_e4m3")),
-        Workload("window 4096 chunked", chunked.replace(sliding_window=4096), "in-window FLOPs"),
-    ]
-
-
-def attended_pairs(spec: BatchSpec) -> int:
-    """Exact number of (query, key) pairs the batch attends to (causal, window)."""
-    total = 0
-    w = spec.sliding_window or 0
-    for q, c in zip(spec.query_lens, spec.context_lens):
-        for_all = q * c + q * (q + 1) // 2  # every query sees the prefix plus itself and earlier new tokens
-        if w > 0:
-            # query at position p sees keys max(0, p - w + 1) .. p: min(p + 1, w) keys
-            first, last = c, c + q - 1
-            full_until = min(last, w - 1)  # positions p <= w - 1 see p + 1 keys
-            n_small = max(0, full_until - first + 1)
-            small = (first + 1 + full_until + 1) * n_small // 2 if n_small else 0
-            for_all = small + (q - n_small) * w
-        total += for_all
-    return total
-
-
-def flops(spec: BatchSpec) -> float:
-    return 4.0 * spec.head_size * spec.num_heads * attended_pairs(spec)
+from .. import accelerator
+from ..cache import gather_kv
+from ..types import PrefillProblem
+from ..workloads import BatchSpec, Workload, default_suite, flops, fresh_output, make_problem
+from .arguments import positive_int, torch_device
 
 
 def _median_ms(fn: Callable[[], object], reps: int) -> float:
@@ -105,8 +55,8 @@ def sdpa_peers(problem: PrefillProblem) -> dict[str, Callable[[], object]]:
         q = p.q[s0:s0 + n].transpose(0, 1).unsqueeze(0).contiguous()
         mask = causal_lower_right(n, s)
         seqs.append((q, k, v, mask))
-    window = p.options.window
-    if window or p.options.alibi_slopes is not None or p.options.softcap or p.options.sinks is not None:
+    o = p.options
+    if o.sliding_window is not None or o.alibi_slopes is not None or o.softcap or o.sinks is not None:
         return {}  # SDPA's fused kernels have no window/ALiBi/softcap/sinks: no like-for-like peer
 
     def run_all():
@@ -136,8 +86,8 @@ def _layouts_label(name: str, layout: str, layouts) -> str:
 def run_suite(backends: list[str], workloads: list[Workload], device: torch.device, reps: int = 100,
               with_reference: bool = True, progress=None, layouts=("split", "nhd")) -> list[dict]:
     """Time every backend (on every layout) and peer on every workload; one row per (workload, implementation)."""
-    from .api import dispatch, get_registry
-    from .device import DeviceInfo
+    from ..api import dispatch, get_registry
+    from ..device import DeviceInfo
 
     info = DeviceInfo.detect(device)
     rows = []
@@ -198,11 +148,10 @@ def host_overhead(device: torch.device, backend: str, layout: str = "split", cal
 
     The bare launch exists only for backends built on core's Triton kernel (None otherwise).
     """
-    from . import api
-    from .api import get_registry
-    from .backends.triton_base import TritonBackend, problem_shape
-    from .device import DeviceInfo
-    from .testing.batches import BatchSpec
+    from .. import api
+    from ..api import get_registry
+    from ..backends.triton_base import TritonBackend, problem_shape
+    from ..device import DeviceInfo
 
     spec = BatchSpec(query_lens=(4, 3), context_lens=(16, 9), num_heads=32, num_kv_heads=8, head_size=128,
                      block_size=16, dtype=torch.bfloat16, layout=layout)
@@ -227,8 +176,8 @@ def host_overhead(device: torch.device, backend: str, layout: str = "split", cal
               "bare_launch_us": None}
     chosen = get_registry().get(backend)
     if isinstance(chosen, TritonBackend):
-        from .triton.kernel import prefix_prefill_kernel
-        from .triton.launch import kernel_call
+        from ..triton.kernel import prefix_prefill_kernel
+        from ..triton.launch import kernel_call
 
         info = DeviceInfo.detect(device)
         call = kernel_call(p, chosen.tile_config(problem_shape(p), info))
@@ -286,8 +235,8 @@ def plot(rows: list[dict], path: str, title: str) -> Optional[str]:
 
 
 def cmd_bench(args) -> int:
-    from .api import select_backend
-    from .device import DeviceInfo, current_accelerator_type
+    from ..api import select_backend
+    from ..device import DeviceInfo, current_accelerator_type
 
     accel = current_accelerator_type()
     if accel is None:
@@ -331,8 +280,6 @@ def cmd_bench(args) -> int:
 
 
 def register(sub) -> None:
-    from .cli import positive_int, torch_device
-
     p = sub.add_parser("bench", help="time the workload suite for backends and peers (GPU)")
     p.add_argument("--backend", action="append", help="backend to time (repeatable; default: the selected one)")
     p.add_argument("--device", type=torch_device, default=None, help="CUDA device to time on (default: the current)")

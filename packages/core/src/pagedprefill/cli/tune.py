@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from .testing.batches import BatchSpec, fresh_output, make_problem
-from .testing.cases import DEFAULT_TOLERANCES, assert_matches_reference
+from ..testing.cases import DEFAULT_TOLERANCES, assert_matches_reference
+from ..workloads import BatchSpec, fresh_output, make_problem
+from .arguments import positive_int, torch_device
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -38,11 +39,11 @@ def tune(backend_name: str, head_sizes, dtypes, workloads, device: torch.device,
          on_key=None, layouts=("nhd",)) -> dict:
     import triton.testing
 
-    from .api import get_registry
-    from .backends.triton_base import problem_shape
-    from .device import DeviceInfo
-    from .triton.launch import launch_prefill
-    from .tuning import table_key
+    from ..api import get_registry
+    from ..backends.triton_base import problem_shape
+    from ..device import DeviceInfo
+    from ..triton.launch import launch_prefill
+    from ..tuning import table_key
 
     info = DeviceInfo.detect(device)
     backend = get_registry().get(backend_name)
@@ -88,8 +89,8 @@ def tune(backend_name: str, head_sizes, dtypes, workloads, device: torch.device,
 
 
 def cmd_tune(args) -> int:
-    from .device import DeviceInfo, current_accelerator_type
-    from .tuning import load_table, save_table, user_table_path
+    from ..device import DeviceInfo, current_accelerator_type
+    from ..tuning import load_table, save_table, user_table_path
 
     accel = current_accelerator_type()
     if accel is None:
@@ -114,8 +115,6 @@ def cmd_tune(args) -> int:
 
 
 def register(sub) -> None:
-    from .cli import positive_int, torch_device
-
     p = sub.add_parser("tune", help="sweep a backend's tile configs on this GPU and write its policy table")
     p.add_argument("--backend", default="sm80",
                    help="backend whose declared search space is swept; it must define search_space() "

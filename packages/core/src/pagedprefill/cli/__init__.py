@@ -1,0 +1,80 @@
+"""The ``pagedprefill`` command (also ``python -m pagedprefill``): ``info``, ``demo``, ``bench`` and ``tune``.
+
+Every error a user can cause (a bad option, a backend that cannot run, a device this torch cannot use) is
+one line on standard error that says what to do, with exit status 2; tracebacks are left for bugs.
+
+One module per command (:mod:`.info`, :mod:`.demo`, :mod:`.bench`, :mod:`.tune`), each with a ``register``
+function adding its subcommand; :mod:`.arguments` holds the argument types they share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional
+
+from .. import __version__
+from ..registry import BackendUnavailableError
+from .arguments import Parser
+
+DESCRIPTION = ("Prefix-prefill attention over a paged KV cache: show the device and backends (info), run a "
+               "checked example (demo), time backends (bench) and tune their tiles (tune).")
+EPILOG = ("Core provides info, demo, bench and tune. Run 'pagedprefill COMMAND --help' for the options of a "
+          "command.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of the ``pagedprefill`` command, every subcommand registered."""
+    parser = Parser(prog="pagedprefill", description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument("--version", action="version", version=f"pagedprefill {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from . import bench, demo, info, tune
+
+    info.register(sub)
+    demo.register(sub)
+    bench.register(sub)
+    tune.register(sub)
+    return parser
+
+
+#: What a user's mistake raises inside a command (a backend that cannot run, an argument the library
+#: refuses); anything else is a bug and keeps its traceback.
+USER_ERRORS = (BackendUnavailableError, ValueError, TypeError)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Run the command line ``argv``; a user's mistake is one line on stderr and exit status 2."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except USER_ERRORS as exc:
+        print(f"pagedprefill {args.command}: error: {error_line(exc, args)}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # the output went to a reader that stopped early (`pagedprefill info | head`)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so that the interpreter's final flush does not fail again
+        return 1
+
+
+def error_line(exc: Exception, args: argparse.Namespace) -> str:
+    """``exc``'s message on one line, with what to do when the message does not already say it."""
+    text = one_line(str(exc))
+    if isinstance(exc, BackendUnavailableError) and getattr(args, "backend", None):
+        text += ("; leave out --backend to choose automatically ('pagedprefill info' shows which backends can "
+                 "run here)")
+    return text
+
+
+def one_line(text: str) -> str:
+    """A multi-line message (a list of reasons) joined into one line."""
+    parts = [line.strip().removeprefix("- ") for line in text.splitlines() if line.strip()]
+    joined = ""
+    for part in parts:
+        sep = "" if not joined else " " if joined.endswith((":", ".")) else "; "
+        joined += sep + part
+    return joined
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""``pagedprefill demo``: a realistic paged batch on the selected backend, checked and timed."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..api import select_backend
+from ..device import DeviceInfo
+from ..testing.cases import DEFAULT_TOLERANCES
+from ..validation import dtype_name
+from ..workloads import BatchSpec, fresh_output, make_problem
+from .arguments import positive_int, torch_device
+
+
+def demo_spec(device: torch.device) -> BatchSpec:
+    """The demo's batch: Llama-style GQA with ragged prefixes, decode rows and a fresh prompt."""
+    if device.type == "cpu":
+        return BatchSpec(query_lens=(96, 1, 160, 33), context_lens=(512, 700, 0, 257), num_heads=8,
+                         num_kv_heads=2, head_size=128, block_size=16, dtype=torch.float32, seed=7)
+    return BatchSpec(query_lens=(1024, 1, 512, 2048, 7), context_lens=(3072, 4000, 0, 1000, 513), num_heads=32,
+                     num_kv_heads=8, head_size=128, block_size=16, dtype=torch.bfloat16, seed=7)
+
+
+def cmd_demo(args) -> int:
+    """Run a realistic paged batch on the selected backend, check it against an independent float64
+    computation, time it."""
+    device = args.device or DeviceInfo.detect().torch_device
+    info = DeviceInfo.detect(device)
+    backend = select_backend(info, args.backend)
+    spec = demo_spec(device)
+    problem = make_problem(spec, device)
+    print(f"device:  {info.describe()}")
+    print(f"backend: {backend.name}")
+    print(f"batch:   {len(spec.query_lens)} sequences, new tokens {list(spec.query_lens)}, cached "
+          f"{list(spec.context_lens)}; q {tuple(problem.q.shape)}, heads {spec.num_heads}/{spec.num_kv_heads}, "
+          f"block size {spec.block_size}, {dtype_name(spec.dtype)}")
+    from ..api import dispatch
+
+    dispatch(problem, backend=backend, validate="full")  # warm-up (compiles kernels), checked below
+    times = []
+    for _ in range(args.repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        dispatch(fresh_output(problem), backend=backend)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    out = problem.out.double()
+    from ..testing.sdpa import sdpa_float64
+
+    # Not the reference backend: on a machine without a GPU the demo runs that backend, which would then be
+    # compared with itself. PyTorch's own attention in float64 is independent of every backend.
+    expected = sdpa_float64(problem)
+    err = (out - expected).abs().max().item() if out.numel() else 0.0
+    atol, _ = DEFAULT_TOLERANCES[spec.dtype]
+    ok = bool(torch.isfinite(out).all()) and err <= atol * 4
+    times.sort()
+    print(f"max abs error vs float64 torch scaled_dot_product_attention (independent of the backends): "
+          f"{err:.3e} (tolerance {atol * 4:.1e}) -> {'OK' if ok else 'MISMATCH'}")
+    note = " (Triton's CPU interpreter: a correctness run, not a speed figure)" if (
+        device.type == "cpu" and backend.name != "reference") else ""
+    print(f"time: median {times[len(times) // 2] * 1e3:.2f} ms over {len(times)} runs (host clock, synchronised)"
+          f"{note}")
+    return 0 if ok else 1
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def register(sub) -> None:
+    """Add the ``demo`` subcommand to ``sub`` (an argparse subparsers object)."""
+    p = sub.add_parser("demo", help="run a realistic batch on the selected backend and check it")
+    p.add_argument("--device", type=torch_device, default=None,
+                   help="torch device (default: the current GPU, else cpu)")
+    p.add_argument("--backend", default=None,
+                   help="backend name, as 'pagedprefill info' lists them (default: automatic selection)")
+    p.add_argument("--repeats", type=positive_int, default=5, help="timed runs, at least 1 (default: 5)")
+    p.set_defaults(func=cmd_demo)

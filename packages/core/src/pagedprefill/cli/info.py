@@ -1,0 +1,70 @@
+"""``pagedprefill info``: the device, every backend with its reasons, and the choice."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import __version__
+from ..api import get_registry, select_backend
+from ..device import DeviceInfo
+from ..registry import BackendUnavailableError
+from .arguments import torch_device
+
+
+def _device_info(args) -> DeviceInfo:
+    described = getattr(args, "describe", None)
+    if described:
+        devices = described_devices()
+        described = described.lower()
+        if described not in devices:
+            raise ValueError(f"--describe: expected one of {', '.join(sorted(devices))}, got {described!r}")
+        return devices[described]
+    return DeviceInfo.detect(args.device)
+
+
+def described_devices() -> dict[str, DeviceInfo]:
+    """Hand-written descriptions of devices that may not be present, for ``info --describe``: a few NVIDIA
+    parts known to core, plus whatever installed backends contribute (the bi100 backend adds Iluvatar parts)."""
+    def nvidia(name, cap, sms, smem):
+        return DeviceInfo(type="cuda", index=0, vendor="nvidia", name=name, capability=cap, warp_size=32,
+                          num_sms=sms, max_shared_mem=smem, triton_backend="cuda")
+
+    return {
+        "a100": nvidia("NVIDIA A100-SXM4-80GB", (8, 0), 108, 163 * 1024),
+        "h200": nvidia("NVIDIA H200", (9, 0), 132, 227 * 1024),
+        "v100": nvidia("Tesla V100-SXM2-32GB", (7, 0), 80, 96 * 1024),
+        **get_registry().described_devices(),
+    }
+
+
+def cmd_info(args) -> int:
+    """Print the device, every backend with its reasons, plugin load errors, and the choice."""
+    info = _device_info(args)
+    registry = get_registry()
+    print(f"pagedprefill {__version__} (torch {torch.__version__})")
+    print(f"device: {info.describe()}")
+    print("backends (highest priority first):")
+    for row in registry.status(info):
+        state = "supported" if row.supported else "unsupported"
+        prio = "-" if row.priority is None else row.priority
+        desc = f" - {row.backend.description}" if row.backend is not None and row.backend.description else ""
+        print(f"  {row.name:<12} priority {prio!s:>4}  {state}{desc}")
+        for reason in row.reasons:
+            print(f"      why not: {reason}")
+    try:
+        chosen = select_backend(info)
+    except BackendUnavailableError as exc:
+        print(f"choice: none\n{exc}")
+        return 1
+    print(f"choice: {chosen.name} (priority {chosen.priority})")
+    return 0
+
+
+def register(sub) -> None:
+    """Add the ``info`` subcommand to ``sub`` (an argparse subparsers object)."""
+    p = sub.add_parser("info", help="show the device, every backend and why it is or is not chosen")
+    p.add_argument("--device", type=torch_device, default=None,
+                   help="torch device to describe (default: the current GPU, else cpu)")
+    p.add_argument("--describe", default=None, metavar="NAME",
+                   help=f"describe a device that is not present: {', '.join(sorted(described_devices()))}")
+    p.set_defaults(func=cmd_info)

@@ -1,0 +1,211 @@
+"""Workloads: random paged batches (:class:`BatchSpec`, :func:`make_problem`) for tests, the demo, ``bench``
+and ``tune``, and the benchmark suite (:func:`default_suite`, with exact FLOP counts).
+
+Data is N(0, 1) (never zeros), lengths are ragged, and each sequence's blocks are a random subset of the
+cache in shuffled order, with unused blocks also filled with random data, so wrong indexing shows.
+The output is poisoned with NaN so that an unwritten element fails any comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .cache import allocate_cache, fp8_scale_for, quantize_fp8, write_to_cache
+from .types import AttentionOptions, BatchMetadata, KVCacheDType, PrefillProblem
+from .validation import dtype_name
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """Everything that defines a random batch. ``query_lens[i]``/``context_lens[i]`` per sequence."""
+
+    query_lens: Sequence[int] = (5, 1, 17)
+    context_lens: Sequence[int] = (9, 0, 33)
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_size: int = 32
+    block_size: int = 8
+    dtype: torch.dtype = torch.float16
+    kv_cache_dtype: str = "auto"
+    layout: str = "nhd"
+    alibi: bool = False
+    sliding_window: Optional[int] = None
+    softcap: float = 0.0
+    sinks: bool = False
+    sm_scale: Optional[float] = None
+    scale_as_tensor: bool = False
+    start_loc_entries: str = "B+1"
+    spare_blocks: int = 3
+    seed: int = 0
+    #: elements per innermost K chunk of the split layout (None: 16 bytes' worth)
+    x: Optional[int] = None
+    causal: bool = True
+    skip_decode: bool = False
+    #: FP8 e4m3 output with this scale (the output tensor is ``float8_e4m3fn``)
+    fp8_out_scale: Optional[float] = None
+    #: k = v = None: the new tokens' keys/values are written into the cache and read from there
+    kv_in_cache: bool = False
+
+    def replace(self, **changes) -> BatchSpec:
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        parts = [f"q={list(self.query_lens)}", f"ctx={list(self.context_lens)}",
+                 f"H={self.num_heads}/{self.num_kv_heads}", f"D={self.head_size}", f"bs={self.block_size}",
+                 dtype_name(self.dtype), self.layout]
+        if self.kv_cache_dtype != "auto":
+            parts.append(self.kv_cache_dtype)
+        if self.x is not None:
+            parts.append(f"x={self.x}")
+        for flag in ("alibi", "sinks", "scale_as_tensor", "skip_decode", "kv_in_cache"):
+            if getattr(self, flag):
+                parts.append(flag)
+        if not self.causal:
+            parts.append("non_causal")
+        if self.fp8_out_scale is not None:
+            parts.append(f"fp8_out_scale={self.fp8_out_scale}")
+        if self.sliding_window:
+            parts.append(f"window={self.sliding_window}")
+        if self.softcap:
+            parts.append(f"softcap={self.softcap}")
+        if self.sm_scale is not None:
+            parts.append(f"sm_scale={self.sm_scale}")
+        return " ".join(parts)
+
+
+def make_problem(spec: BatchSpec, device="cpu") -> PrefillProblem:
+    """Build a random :class:`PrefillProblem` for ``spec`` on ``device`` (output poisoned with NaN)."""
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(spec.seed)
+
+    def randn(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+
+    qlens, clens = list(spec.query_lens), list(spec.context_lens)
+    B = len(qlens)
+    T = sum(qlens)
+    H, Hkv, D, bs = spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size
+    # With kv_in_cache the cache also holds the new tokens (positions ctx .. ctx + q - 1).
+    cached = [c + q for c, q in zip(clens, qlens)] if spec.kv_in_cache else clens
+    blocks_per_seq = [-(-c // bs) for c in cached]
+    width = max(blocks_per_seq + [1])
+    num_blocks = max(1, sum(blocks_per_seq) + spec.spare_blocks)
+    kv_dtype = KVCacheDType.parse(spec.kv_cache_dtype)
+    cache = allocate_cache(num_blocks, bs, Hkv, D, spec.dtype, layout=spec.layout, kv_cache_dtype=kv_dtype,
+                           device=device, x=spec.x)
+    k_scale = v_scale = 1.0
+    if kv_dtype.is_fp8:
+        k_full, v_full = randn(*cache.key.shape), randn(*cache.value.shape)
+        k_scale, v_scale = fp8_scale_for(k_full, kv_dtype), fp8_scale_for(v_full, kv_dtype)
+        cache.key.copy_(quantize_fp8(k_full, k_scale, kv_dtype))
+        cache.value.copy_(quantize_fp8(v_full, v_scale, kv_dtype))
+        if spec.scale_as_tensor:
+            k_scale = torch.tensor([k_scale], dtype=torch.float32, device=device)
+            v_scale = torch.tensor(v_scale, dtype=torch.float32, device=device)
+    else:
+        cache.key.copy_(randn(*cache.key.shape, dtype=spec.dtype))
+        cache.value.copy_(randn(*cache.value.shape, dtype=spec.dtype))
+    cache = dataclasses.replace(cache, k_scale=k_scale, v_scale=v_scale)
+
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.randint(0, num_blocks, (B, width), generator=gen, dtype=torch.int32)  # unused columns: junk
+    used = 0
+    for i, n in enumerate(blocks_per_seq):
+        table[i, :n] = perm[used:used + n].to(torch.int32)
+        used += n
+    batch = BatchMetadata.from_lengths(qlens, clens, table, device=device)
+    if spec.start_loc_entries == "B":
+        batch = dataclasses.replace(batch, query_start=batch.query_start[:B])
+
+    q = randn(T, H, D, dtype=spec.dtype)
+    k = randn(T, Hkv, D, dtype=spec.dtype)
+    v = randn(T, Hkv, D, dtype=spec.dtype)
+    if spec.kv_in_cache:  # write the new tokens where the table puts positions ctx .. ctx + q - 1, then drop k/v
+        slots = []
+        for i, (n, c) in enumerate(zip(qlens, clens)):
+            pos = torch.arange(c, c + n)
+            slots.append(table[i, pos // bs].long() * bs + pos % bs)
+        write_to_cache(cache, k, v, torch.cat(slots + [torch.zeros(0, dtype=torch.long)]).to(device))
+        k = v = None
+    out_dtype = torch.float8_e4m3fn if spec.fp8_out_scale is not None else spec.dtype
+    out = torch.full(q.shape, float("nan"), dtype=out_dtype, device=device)
+    options = AttentionOptions(
+        sm_scale=spec.sm_scale,
+        alibi_slopes=(randn(H).abs() * 0.5) if spec.alibi else None,
+        sliding_window=spec.sliding_window,
+        softcap=spec.softcap,
+        sinks=randn(H) if spec.sinks else None,
+        causal=spec.causal,
+        skip_decode=spec.skip_decode,
+        fp8_out_scale=spec.fp8_out_scale,
+    )
+    return PrefillProblem(q=q, k=k, v=v, out=out, cache=cache, batch=batch, options=options)
+
+
+def with_output(problem: PrefillProblem, out: torch.Tensor) -> PrefillProblem:
+    """The same problem writing into ``out``."""
+    return dataclasses.replace(problem, out=out)
+
+
+def fresh_output(problem: PrefillProblem) -> PrefillProblem:
+    """The same problem with a new NaN-poisoned output tensor (of the output's dtype)."""
+    return with_output(problem, torch.full_like(problem.out, float("nan")))
+
+
+#: Llama-3-8B attention shapes, the suite's default.
+LLAMA3_8B = dict(num_heads=32, num_kv_heads=8, head_size=128, block_size=16, dtype=torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A named batch of the benchmark suite; ``note`` is printed with its row."""
+
+    name: str
+    spec: BatchSpec
+    note: str = ""
+
+
+def default_suite() -> list[Workload]:
+    """The suite of the performance table (Llama-3-8B shapes unless the name says otherwise)."""
+    base = BatchSpec(**LLAMA3_8B, spare_blocks=0)
+    prefix = base.replace(query_lens=(1024,) * 8, context_lens=(7168,) * 8)
+    chunked = base.replace(query_lens=(2048,) * 4, context_lens=(0, 10000, 20000, 30000))
+    short_ctx = tuple(1024 + (3072 * i) // 63 for i in range(64))
+    return [
+        Workload("prefix-cached 8x(1024+7168)", prefix),
+        Workload("long prefill 2x8192", base.replace(query_lens=(8192,) * 2, context_lens=(0, 0))),
+        Workload("chunked 4x2048 ctx 0..30k", chunked),
+        Workload("many short 64x128 ctx 1k..4k", base.replace(query_lens=(128,) * 64, context_lens=short_ctx)),
+        Workload("D64 prefix-cached", prefix.replace(head_size=64)),
+        Workload("D96 prefix-cached", prefix.replace(head_size=96)),
+        Workload("D256 prefix-cached", prefix.replace(head_size=256)),
+        Workload("fp16 prefix-cached", prefix.replace(dtype=torch.float16)),
+        Workload("FP8 e4m3 KV prefix-cached", prefix.replace(kv_cache_dtype="fp8_e4m3")),
+        Workload("window 4096 chunked", chunked.replace(sliding_window=4096), "in-window FLOPs"),
+    ]
+
+
+def attended_pairs(spec: BatchSpec) -> int:
+    """Exact number of (query, key) pairs the batch attends to (causal, window)."""
+    total = 0
+    w = spec.sliding_window or 0
+    for q, c in zip(spec.query_lens, spec.context_lens):
+        for_all = q * c + q * (q + 1) // 2  # every query sees the prefix plus itself and earlier new tokens
+        if w > 0:
+            # query at position p sees keys max(0, p - w + 1) .. p: min(p + 1, w) keys
+            first, last = c, c + q - 1
+            full_until = min(last, w - 1)  # positions p <= w - 1 see p + 1 keys
+            n_small = max(0, full_until - first + 1)
+            small = (first + 1 + full_until + 1) * n_small // 2 if n_small else 0
+            for_all = small + (q - n_small) * w
+        total += for_all
+    return total
+
+
+def flops(spec: BatchSpec) -> float:
+    """FLOPs of the batch: ``4 * D * H * attended (query, key) pairs``."""
+    return 4.0 * spec.head_size * spec.num_heads * attended_pairs(spec)
