@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import Optional
 
 from pagedprefill.device import DeviceInfo
-from pagedprefill.tiling import ProblemShape, TileConfig, launch_grid, next_power_of_2, shrink_to_fit
+from pagedprefill.tiling import ProblemShape, TileConfig, launch_grid, next_power_of_2, settle, shrink_to_fit
 
 from .device_table import MAX_STAGES, DeviceLimits, device_limits
 
@@ -66,7 +66,8 @@ def packed_heads(shape: ProblemShape, block_m: int) -> int:
 
 
 def _num_programs(shape: ProblemShape, block_m: int, heads: int) -> int:
-    tiles, heads_dim = launch_grid(shape, TileConfig(block_m=block_m, heads_per_tile=min(heads, block_m)))
+    config = settle(TileConfig(block_m=block_m, heads_per_tile=min(heads, block_m)), shape)
+    tiles, heads_dim = launch_grid(shape, config)
     return tiles * heads_dim
 
 

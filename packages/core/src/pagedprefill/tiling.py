@@ -184,10 +184,10 @@ def launch_grid(shape: ProblemShape, config: TileConfig) -> tuple[int, int]:
 
     Sequence ``s`` owns ``ceil(q_len / tokens_per_tile)`` tiles or one more; ``num_tokens // tokens_per_tile
     + num_seqs`` covers any batch without reading lengths on the host (surplus programs exit at once).
+    ``config`` is :func:`settle`d for the shape (at most ``group_size`` packed heads).
     """
-    heads = min(config.heads_per_tile, max(1, shape.group_size))
-    chunks = -(-shape.group_size // heads)
-    return shape.num_tokens // (config.block_m // heads) + shape.num_seqs, shape.num_kv_heads * chunks
+    chunks = -(-shape.group_size // config.heads_per_tile)
+    return shape.num_tokens // config.tokens_per_tile + shape.num_seqs, shape.num_kv_heads * chunks
 
 
 def shrink_to_fit(config: TileConfig, shape: ProblemShape, device: DeviceInfo,

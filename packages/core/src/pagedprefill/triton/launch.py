@@ -65,13 +65,14 @@ def _cache_geometry(problem: PrefillProblem, head_size_padded: int):
     return key, value, x, k_strides, v_strides, k_align, v_align
 
 
-def _scale_arg(scale, fp8: bool, fallback: torch.Tensor):
-    """(float value, pointer tensor, read-from-pointer flag) for one dequantisation scale."""
-    if not fp8:
-        return 1.0, fallback, False
+def _scale_arg(scale, used: bool) -> tuple[float, bool]:
+    """``(float value, read-from-pointer flag)`` of a scale (FP8 cache or output): a tensor is read on the device,
+    where :func:`call_tensors` passes it; an unused scale is 1."""
+    if not used or scale is None:
+        return 1.0, False
     if isinstance(scale, torch.Tensor):
-        return 1.0, scale, True
-    return float(scale), fallback, False
+        return 1.0, True
+    return float(scale), False
 
 
 @dataclass(frozen=True)
@@ -131,13 +132,13 @@ def kernel_call(problem: PrefillProblem, config: TileConfig) -> Optional[KernelC
     d_pad = padded_head_size(D)
     key, value, x, ks, vs, k_align, v_align = _cache_geometry(p, d_pad)
     fp8 = p.cache.dtype.is_fp8
-    k_scale, _, k_from_ptr = _scale_arg(p.cache.k_scale, fp8, q)
-    v_scale, _, v_from_ptr = _scale_arg(p.cache.v_scale, fp8, q)
+    k_scale, k_from_ptr = _scale_arg(p.cache.k_scale, fp8)
+    v_scale, v_from_ptr = _scale_arg(p.cache.v_scale, fp8)
     opts = p.options
     causal, skip_decode = opts.causal, opts.skip_decode
     window = opts.sliding_window  # None: no window (the kernel's int argument is then unused; 0 is passed)
     out_scale = opts.fp8_out_scale
-    out_scale_value = 1.0 if out_scale is None or isinstance(out_scale, torch.Tensor) else float(out_scale)
+    out_scale_value, out_from_ptr = _scale_arg(out_scale, True)
     new_kv_in_cache = p.k is None
     table = p.batch.block_table
     bs = p.cache.block_size
@@ -159,7 +160,7 @@ def kernel_call(problem: PrefillProblem, config: TileConfig) -> Optional[KernelC
         K_SCALE_PTR=k_from_ptr, V_SCALE_PTR=v_from_ptr, PAGE_SIZE=bs if config.pagewise else 0,
         SPLIT_CACHE=p.cache.layout is KVLayout.SPLIT, K_ALIGN=k_align, V_ALIGN=v_align,
         CAUSAL=causal, SKIP_DECODE=skip_decode, NEW_KV_IN_CACHE=new_kv_in_cache,
-        OUT_SCALE=out_scale is not None, OUT_SCALE_PTR=isinstance(out_scale, torch.Tensor), OUT_MAX=FP8_E4M3_MAX,
+        OUT_SCALE=out_scale is not None, OUT_SCALE_PTR=out_from_ptr, OUT_MAX=FP8_E4M3_MAX,
         DOT_PRECISION=config.fp32_dot if q.dtype == torch.float32 else "tf32",
     )
     options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
