@@ -1,12 +1,15 @@
-"""The ``sm80`` backend: core's Triton kernel with measured tiles for NVIDIA sm80+."""
+"""The ``sm80`` backend: core's Triton kernel with measured tiles for NVIDIA sm80+, and a warp-specialised
+kernel of its own for sm90 (:mod:`pagedprefill_sm80.hopper`) where the policy chooses it."""
 
 from __future__ import annotations
 
-from pagedprefill.backends.triton_base import TritonBackend
+from pagedprefill.backends.triton_base import TritonBackend, problem_shape
 from pagedprefill.device import DeviceInfo
 from pagedprefill.tiling import ProblemShape, TileConfig
+from pagedprefill.tuning import tables_state
+from pagedprefill.types import PrefillProblem
 
-from .policy import search_space, sm80_policy
+from .policy import kernel_preference, search_space, sm80_policy
 
 MIN_CAPABILITY = (8, 0)
 
@@ -28,6 +31,37 @@ class Sm80Backend(TritonBackend):
         if device.triton_backend not in (None, "cuda"):
             reasons.append(f"needs Triton's 'cuda' target, the device reports {device.triton_backend!r}")
         return reasons
+
+    def tile_config(self, shape: ProblemShape, device: DeviceInfo) -> TileConfig:
+        """The policy's tile, remembered per shape, device, tuned tables and kernel preference."""
+        return self._policy_memo(shape, device, (tables_state(), kernel_preference()))
+
+    def kernel_for(self, problem: PrefillProblem, device: DeviceInfo) -> str:
+        """The kernel that runs ``problem``: the policy's choice, or the portable kernel when the Hopper
+        kernel cannot address these tensors (strides a 2-D TMA view needs, 16-byte alignment)."""
+        from .hopper.launch import unfit_reason
+
+        config = self.tile_config(problem_shape(problem), device)
+        if config.kernel == "hopper" and unfit_reason(problem, config) is None:
+            return "hopper"
+        return "portable"
+
+    def run(self, problem: PrefillProblem, device: DeviceInfo) -> None:
+        if self.kernel_for(problem, device) != "hopper":
+            return super().run(problem, device)
+        from .hopper.launch import launch_hopper
+
+        shape = problem_shape(problem)
+        launch_hopper(problem, self.tile_config(shape, device), shape)
+
+    def bind(self, problem: PrefillProblem, device: DeviceInfo):
+        if self.kernel_for(problem, device) != "hopper":
+            return super().bind(problem, device)
+        from .hopper.launch import bind_hopper
+
+        shape = problem_shape(problem)
+        launch = bind_hopper(problem, self.tile_config(shape, device), shape)
+        return launch if launch is not None else self.run_again(device)
 
     def search_space(self, shape: ProblemShape, device: DeviceInfo) -> list[TileConfig]:
         """Candidates ``pagedprefill tune`` measures for ``shape`` on ``device``."""

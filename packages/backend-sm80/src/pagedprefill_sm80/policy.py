@@ -11,15 +11,39 @@ Lookup order for a problem key (see :func:`pagedprefill.tuning.table_key`):
 
 Every result goes through :func:`pagedprefill.tiling.shrink_to_fit` against the device's shared memory,
 so sm80 (163 KiB), sm86/sm89 (99 KiB) and sm90 (227 KiB) parts all get tiles they can hold.
+
+Which kernel runs the tile (:func:`choose_kernel`): on sm90, the warp-specialised Hopper kernel
+(:mod:`pagedprefill_sm80.hopper`) for the shapes it takes, when ``PAGEDPREFILL_SM80_KERNEL=hopper`` asks
+for it (``auto``, the default, keeps the portable kernel until the Hopper kernel has passed conformance on
+the GPU and won on the bench; ``portable`` forces core's kernel everywhere).
 """
 
 from __future__ import annotations
 
+import os
 from importlib import resources
+from typing import Optional
 
 from pagedprefill.device import DeviceInfo
 from pagedprefill.tiling import ProblemShape, TileConfig, shrink_to_fit
 from pagedprefill.tuning import load_table, lookup, table_key, user_table_path
+
+from .hopper.launch import shape_unfit_reason
+
+#: Environment variable that picks the kernel on sm90: ``auto`` (the policy's choice), ``hopper`` or ``portable``.
+KERNEL_ENV = "PAGEDPREFILL_SM80_KERNEL"
+KERNEL_CHOICES = ("auto", "hopper", "portable")
+#: Whether ``auto`` picks the Hopper kernel where it fits. Off until it has passed conformance on an H200 and
+#: won on the bench there.
+HOPPER_BY_DEFAULT = False
+
+
+def kernel_preference() -> str:
+    """The kernel asked for through :data:`KERNEL_ENV` (``auto`` when unset)."""
+    wanted = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
+    if wanted not in KERNEL_CHOICES:
+        raise ValueError(f"{KERNEL_ENV}: expected one of {', '.join(KERNEL_CHOICES)}, got {wanted!r}")
+    return wanted
 
 
 def shipped_table(device: DeviceInfo) -> dict[str, TileConfig]:
@@ -44,7 +68,46 @@ def rule_config(shape: ProblemShape, device: DeviceInfo) -> TileConfig:
                       heads_per_tile=max(1, heads))
 
 
+def hopper_config(shape: ProblemShape) -> TileConfig:
+    """The Hopper kernel's tile: 128 rows over two consumer warpgroups, 64 keys per step in a 3-deep ring,
+    query heads of a KV group packed as in :func:`rule_config`."""
+    heads = min(shape.group_size, 4 if shape.workload == "short" else 2)
+    return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, heads_per_tile=max(1, heads),
+                      kernel="hopper")
+
+
+def hopper_unfit_reason(shape: ProblemShape, device: DeviceInfo) -> Optional[str]:
+    """Why the Hopper kernel does not run calls of ``shape`` on ``device``, or None when it does."""
+    if device.capability != (9, 0):
+        return f"needs compute capability 9.0 (warpgroup MMA, TMA), the device has " \
+               f"{device.capability[0]}.{device.capability[1]}"
+    try:
+        import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
+    except ImportError as exc:
+        return f"is written in Gluon for Triton 3.6, which this Triton lacks ({exc})"
+    return shape_unfit_reason(shape, hopper_config(shape))
+
+
+def choose_kernel(shape: ProblemShape, device: DeviceInfo) -> tuple[str, str]:
+    """``(kernel, why)``: the kernel the policy runs calls of ``shape`` on, and the reason, for ``info``,
+    the bench and tests."""
+    wanted = kernel_preference()
+    if wanted == "portable":
+        return "portable", f"{KERNEL_ENV}=portable"
+    unfit = hopper_unfit_reason(shape, device)
+    if unfit is not None:
+        return "portable", f"the Hopper kernel {unfit}"
+    if wanted == "hopper":
+        return "hopper", f"{KERNEL_ENV}=hopper"
+    if HOPPER_BY_DEFAULT:
+        return "hopper", "the Hopper kernel takes this shape"
+    return "portable", f"the Hopper kernel runs only when asked for ({KERNEL_ENV}=hopper) until it is verified"
+
+
 def sm80_policy(shape: ProblemShape, device: DeviceInfo) -> TileConfig:
+    kernel, _ = choose_kernel(shape, device)
+    if kernel == "hopper":
+        return shrink_to_fit(hopper_config(shape), shape, device)
     key = table_key(shape, device)
     config = lookup(key, load_table(user_table_path("sm80", device)), shipped_table(device))
     if config is None:

@@ -102,6 +102,9 @@ class TileConfig:
             (:func:`settle` turns it off otherwise); False looks the block table up per key, for any block size.
         fp32_dot: precision of the dots for float32 inputs: ``"ieee"`` (exact) or ``"tf32"`` (faster, about
             1e-3 relative error); 16-bit inputs are unaffected.
+        kernel: which kernel runs the tile: ``"portable"`` is core's Triton kernel, which every Triton
+            backend runs; a backend may name a kernel of its own (sm80's ``"hopper"``), and falls back to the
+            portable kernel, with the same tile, for a call its own kernel cannot take.
     """
 
     block_m: int = 64
@@ -112,6 +115,7 @@ class TileConfig:
     split_masks: bool = True
     pagewise: bool = True
     fp32_dot: str = "ieee"
+    kernel: str = "portable"
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "num_warps"):
@@ -153,7 +157,8 @@ class TileConfig:
     def to_dict(self) -> dict:
         return {"block_m": self.block_m, "block_n": self.block_n, "num_warps": self.num_warps,
                 "num_stages": self.num_stages, "heads_per_tile": self.heads_per_tile,
-                "split_masks": self.split_masks, "pagewise": self.pagewise, "fp32_dot": self.fp32_dot}
+                "split_masks": self.split_masks, "pagewise": self.pagewise, "fp32_dot": self.fp32_dot,
+                "kernel": self.kernel}
 
 
 @runtime_checkable

@@ -76,6 +76,10 @@ class TritonBackend(Backend):
         and a table written by ``pagedprefill tune`` (or forgotten) is used from the next launch on."""
         return self._policy_memo(shape, device, tables_state())
 
+    def kernel_for(self, problem: PrefillProblem, device: DeviceInfo) -> str:
+        """``"portable"``: core's Triton kernel (a subclass with kernels of its own says which runs)."""
+        return "portable"
+
     def check_problem(self, problem: PrefillProblem, device: DeviceInfo) -> None:
         """Refuse optional features outside :attr:`supported_features`, and a problem whose smallest tile
         cannot fit the device's shared memory."""

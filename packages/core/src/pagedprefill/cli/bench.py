@@ -99,6 +99,7 @@ def run_suite(backends: list[str], workloads: list[Workload], device: torch.devi
         for j, layout in enumerate(layouts):
             problem = make_problem(wl.spec.replace(layout=layout), device)
             impls: dict[str, Callable[[], object]] = {}
+            kernels: dict[str, str] = {}
             for name in backends:
                 backend = get_registry().get(name)
                 if backend.supports(info):
@@ -107,8 +108,9 @@ def run_suite(backends: list[str], workloads: list[Workload], device: torch.devi
                     backend.check_problem(problem, info)
                 except Exception:
                     continue
-                impls[_layouts_label(name, layout, layouts)] = (
-                    lambda n=name, pr=problem: dispatch(pr, backend=n))
+                label = _layouts_label(name, layout, layouts)
+                impls[label] = lambda n=name, pr=problem: dispatch(pr, backend=n)
+                kernels[label] = backend.kernel_for(problem, info)
             ours = dict(impls)
             if j == 0:  # the peers do not read the paged cache: once per workload
                 if with_reference:
@@ -128,6 +130,7 @@ def run_suite(backends: list[str], workloads: list[Workload], device: torch.devi
                 row = {"workload": wl.name, "impl": label, "ms": ms, "tflops": f / ms / 1e9,
                        "peak_extra_mib": peak / 2**20, "note": wl.note}
                 if label in ours:
+                    row["kernel"] = kernels[label]
                     row["first_call_s"] = first_call_s
                     check = fresh_output(problem)
                     dispatch(check, backend=label.split()[0])
@@ -136,7 +139,7 @@ def run_suite(backends: list[str], workloads: list[Workload], device: torch.devi
                     row["max_abs_err"] = float((check.out.float() - expect.out.float()).abs().max())
                 rows.append(row)
                 if progress:
-                    first = f"  first call {first_call_s:.1f} s" if label in ours else ""
+                    first = f"  first call {first_call_s:.1f} s, {kernels[label]} kernel" if label in ours else ""
                     progress(f"    {label:<16} {ms:9.3f} ms {row['tflops']:8.1f} TFLOP/s{first}")
             del problem
             accelerator.empty_cache(device)
@@ -266,6 +269,8 @@ def cmd_bench(args) -> int:
     print(f"\n{meta['device']}, torch {meta['torch']}, {meta['date']}, commit {args.commit or '?'}")
     print("\nTFLOP/s (median):\n")
     print(format_table(rows))
+    print("\nKernel that ran each of our rows:\n")
+    print(format_table(rows, "kernel", "{}"))
     print("\nFirst call per workload (s, includes compiling unless cached):\n")
     print(format_table(rows, "first_call_s", "{:.1f}"))
     if overhead:

@@ -66,6 +66,11 @@ class Backend:
 
         return again
 
+    def kernel_for(self, problem: PrefillProblem, device: DeviceInfo) -> str:
+        """Name of the kernel that computes ``problem`` on ``device``, for ``bench`` and tests (a backend with
+        several kernels says which one its policy picked; by default the backend's own name)."""
+        return self.name
+
     def tile_config(self, shape: ProblemShape, device: DeviceInfo) -> Optional[TileConfig]:
         """The tile this backend would use for ``shape`` on ``device`` (None if it does not tile)."""
         return self.policy(shape, device) if self.policy is not None else None

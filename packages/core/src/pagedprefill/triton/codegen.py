@@ -38,6 +38,8 @@ class CodegenSummary:
     tma_copies: int
     pipelined_waits: int
     unpipelined_loads: int
+    setmaxnreg: int = 0
+    warp_specialized: bool = False
 
     @property
     def dots(self) -> str:
@@ -50,21 +52,31 @@ class CodegenSummary:
 
 
 def compile_for_target(problem: PrefillProblem, config: TileConfig, capability: int = 90):
-    """Compile the kernel for ``problem`` with ``config`` for NVIDIA ``sm_<capability>``, without a GPU.
+    """Compile core's kernel for ``problem`` with ``config`` for NVIDIA ``sm_<capability>``, without a GPU.
 
     Returns Triton's compiled kernel (``asm["ttgir"]``, ``asm["ptx"]``, ``metadata.shared``).
     """
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
-
-    from .kernel import prefix_prefill_kernel as kernel
+    from .kernel import prefix_prefill_kernel
     from .launch import kernel_call
 
     call = kernel_call(problem, config)
     if call is None:
         raise ValueError("problem: has nothing to compute (no tokens, sequences or heads)")
+    return compile_call(prefix_prefill_kernel, call, capability)
+
+
+def compile_call(kernel, call, capability: int = 90):
+    """Compile ``kernel`` (a Triton or Gluon JIT function) for the launch ``call`` (a
+    :class:`~pagedprefill.triton.launch.KernelCall`) for NVIDIA ``sm_<capability>``, binding the arguments
+    exactly as a real launch would."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    if kernel.is_gluon():
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
+
     args, kwargs = call.args, call.kwargs
     target = GPUTarget("cuda", capability, 32)
     backend = make_backend(target)
@@ -109,9 +121,17 @@ def loop_pipelining(ttgir: str) -> tuple[int, int]:
     return pipelined, unpipelined
 
 
-def codegen_summary(problem: PrefillProblem, config: TileConfig, capability: int = 90) -> CodegenSummary:
-    """Compile ahead of time for ``sm_<capability>`` and summarise the generated code."""
-    compiled = compile_for_target(problem, config, capability)
+def codegen_summary(problem: PrefillProblem, config: TileConfig, capability: int = 90,
+                    compiled=None) -> CodegenSummary:
+    """Summarise the code compiled for ``sm_<capability>`` (core's kernel for ``problem`` and ``config``,
+    unless a backend passes its own ``compiled`` kernel)."""
+    if compiled is None:
+        compiled = compile_for_target(problem, config, capability)
+    return summarize(compiled, capability)
+
+
+def summarize(compiled, capability: int) -> CodegenSummary:
+    """What a compiled kernel's PTX and TTGIR hold (see :class:`CodegenSummary`)."""
     ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
     registers, spills = ptxas_usage(ptx, capability)
     pipelined, unpipelined = loop_pipelining(ttgir)
@@ -126,4 +146,6 @@ def codegen_summary(problem: PrefillProblem, config: TileConfig, capability: int
         tma_copies=ptx.count("cp.async.bulk.tensor"),
         pipelined_waits=pipelined,
         unpipelined_loads=unpipelined,
+        setmaxnreg=ptx.count("setmaxnreg"),
+        warp_specialized="ttg.warp_specialize" in ttgir,
     )

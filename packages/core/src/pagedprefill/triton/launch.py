@@ -201,7 +201,7 @@ class BoundLaunch:
 
     __slots__ = ("_run", "_function", "_metadata", "_grid", "_tail", "_aligned", "_device_index", "_stream")
 
-    def __init__(self, compiled: Any, call: KernelCall, device: torch.device):
+    def __init__(self, compiled: Any, call: KernelCall, device: torch.device, kernel: Any = prefix_prefill_kernel):
         from triton.runtime import driver
 
         self._run = compiled.run
@@ -209,10 +209,11 @@ class BoundLaunch:
         self._metadata = compiled.packed_metadata
         self._grid = call.grid
         # Constexprs are passed positionally too: the launcher skips them by the kernel's signature.
-        names = prefix_prefill_kernel.arg_names
+        names = kernel.arg_names
         n = len(call.tensors) + len(call.scalars)
         self._tail = call.scalars + tuple(call.constexprs[name] for name in names[n:])
-        self._aligned = tuple(_aligned16(t) for t in call.tensors)
+        # Only tensors carry an alignment the compiled code may assume (a TMA descriptor checks its own).
+        self._aligned = tuple(isinstance(t, torch.Tensor) and _aligned16(t) for t in call.tensors)
         self._device_index = device.index if device.index is not None else torch.cuda.current_device()
         self._stream = driver.active.get_current_stream
 

@@ -1,0 +1,280 @@
+"""The Hopper (sm90) prefix-prefill kernel: warp-specialised, TMA-fed, warpgroup MMA.
+
+One program computes the same tile as core's portable kernel (``BLOCK_M`` rows of (new token, query
+head) pairs, ``HEADS_PER_TILE`` heads of one KV group packed together), with the work split by role:
+
+* a **producer** warp with few registers reads the block table and brings each key tile's K and V into a
+  ring of ``STAGES`` shared-memory buffers with the tensor-memory accelerator (TMA): one box per cache
+  page (or one per tile when a page holds several tiles), one box per tile of new tokens. Each buffer has
+  a ``ready`` barrier (the copies' bytes have landed) and an ``empty`` barrier (the consumers are done);
+* the **consumer** warpgroups run ``S = Q K^T`` and ``O += P V`` as warpgroup MMAs straight from shared
+  memory and the online softmax in registers, never waiting for a load the producer could have issued
+  earlier, and with no CTA-wide barrier in the key loop.
+
+Both roles walk the same schedule (:func:`_key_tiles`): the cached prefix from the first tile the window
+reaches, then the new tokens up to the causal diagonal. Every TMA box is bounds-checked by the hardware
+against the tensor it was described on (rows outside read as zeros), table columns and block numbers are
+clamped, and query rows outside ``q`` are masked, so inconsistent metadata cannot read or write outside
+the caller's tensors.
+
+The scalar helpers (tile location, masks, softcap, sinks, FP8 rounding) are core's building blocks from
+:mod:`pagedprefill.triton.blocks`; only the data movement and the MMAs are Hopper-specific.
+"""
+
+from pagedprefill.triton.blocks import (
+    LOG2E,
+    finish_rows,
+    locate_tile,
+    round_to_fp8_e4m3,
+    scalar_or_load,
+    soft_cap,
+    visible,
+)
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+
+
+@gluon.jit
+def _key_tiles(ctx_len, q_len, tok0, tok_last, window, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+               WINDOW: gl.constexpr, NEW_KV_IN_CACHE: gl.constexpr):
+    """The key tiles one query tile visits: ``(cache_start, cache_tiles, new_start, new_tiles)``.
+
+    Cached tiles start at ``cache_start`` (a multiple of ``BLOCK_N``, the first tile the window reaches);
+    new-token tiles start at ``new_start`` (an index among the sequence's new tokens). With the new tokens'
+    K/V already in the cache (``NEW_KV_IN_CACHE``) the cached walk covers them too and there is no second
+    walk.
+    """
+    pos_first = ctx_len + tok0
+    pos_last = ctx_len + tok_last
+    lo = 0
+    if WINDOW:
+        lo = gl.maximum(pos_first - window + 1, 0)
+    cache_start = (lo // BLOCK_N) * BLOCK_N
+    if NEW_KV_IN_CACHE:
+        if CAUSAL:
+            cache_end = pos_last + 1
+        else:
+            cache_end = ctx_len + q_len
+    else:
+        cache_end = ctx_len
+    cache_tiles = gl.cdiv(gl.maximum(cache_end - cache_start, 0), BLOCK_N)
+    new_start = 0
+    new_tiles = 0
+    if not NEW_KV_IN_CACHE:
+        new_start = (gl.maximum(lo - ctx_len, 0) // BLOCK_N) * BLOCK_N
+        if CAUSAL:
+            new_end = tok_last + 1
+        else:
+            new_end = q_len
+        new_tiles = gl.cdiv(gl.maximum(new_end - new_start, 0), BLOCK_N)
+    return cache_start, cache_tiles, new_start, new_tiles
+
+
+@gluon.jit
+def _producer(k_cache, v_cache, k_new, v_new, k_smem, v_smem, ready, empty,
+              table_row, table_width, num_blocks, kv_head, seq_row0,
+              cache_start, cache_tiles, new_start, new_tiles,
+              HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Fill the ring: for each key tile, wait until its buffer is free, then issue the TMA copies of K and V
+    and let the ``ready`` barrier count their bytes."""
+    BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
+    TILE_BYTES: gl.constexpr = 2 * BLOCK_N * HEAD_SIZE * k_cache.dtype.primitive_bitwidth // 8
+    col = kv_head * HEAD_SIZE
+    for it in range(cache_tiles + new_tiles):
+        s = it % STAGES
+        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), TILE_BYTES)
+        k_dst = k_smem.index(s)
+        v_dst = v_smem.index(s)
+        if it < cache_tiles:
+            n0 = cache_start + it * BLOCK_N
+            for b in gl.static_range(BLOCK_N // BOX):
+                pos = n0 + b * BOX
+                # Clamped column and block number: a corrupt table reads a wrong page, never outside the cache.
+                page_col = gl.maximum(gl.minimum(pos // PAGE, table_width - 1), 0)
+                page = gl.load(table_row + page_col)
+                page = gl.where((page >= 0) & (page < num_blocks), page, 0)
+                row = page * PAGE + pos % PAGE
+                tma.async_copy_global_to_shared(k_cache, [row, col], ready.index(s), k_dst.slice(b * BOX, BOX))
+                tma.async_copy_global_to_shared(v_cache, [row, col], ready.index(s), v_dst.slice(b * BOX, BOX))
+        else:
+            row = seq_row0 + new_start + (it - cache_tiles) * BLOCK_N
+            tma.async_copy_global_to_shared(k_new, [row, col], ready.index(s), k_dst)
+            tma.async_copy_global_to_shared(v_new, [row, col], ready.index(s), v_dst)
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, ready, empty, Out, out_scale_ptr, alibi_slopes, sinks,
+              head, row_ok, q_pos, out_rows,
+              ctx_len, q_len, window, softcap, qk_scale, out_scale, stride_ot, stride_oh,
+              cache_start, cache_tiles, new_start, new_tiles, pos_first, full_from,
+              HEAD_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              NUM_WARPS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
+              ALIBI: gl.constexpr, SINKS: gl.constexpr, NEW_KV_IN_CACHE: gl.constexpr,
+              OUT_SCALE: gl.constexpr, OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr):
+    """Consume the ring: scores, online softmax and ``P V`` per key tile; then normalise and store."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, HEAD_SIZE, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    key_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    q_pos = gl.convert_layout(q_pos, row_s)
+    alibi2 = gl.zeros([BLOCK_M], gl.float32, row_s)
+    if ALIBI:
+        alibi2 = gl.load(alibi_slopes + gl.convert_layout(head, row_s), mask=gl.convert_layout(row_ok, row_s),
+                         other=0.0).to(gl.float32) * LOG2E
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+    acc = gl.zeros([BLOCK_M, HEAD_SIZE], gl.float32, o_layout)
+    offs_n = gl.arange(0, BLOCK_N, key_s)
+    if NEW_KV_IN_CACHE:
+        kv_len = ctx_len + q_len
+    else:
+        kv_len = ctx_len
+
+    for it in range(cache_tiles + new_tiles):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        scores = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)),
+                               gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False)
+        # Key positions of this tile, and whether any mask applies to it at all.
+        if it < cache_tiles:
+            n0 = cache_start + it * BLOCK_N
+            key_end = kv_len
+            needs_mask = n0 + BLOCK_N > kv_len
+            if NEW_KV_IN_CACHE and CAUSAL:
+                needs_mask = needs_mask | (n0 + BLOCK_N - 1 > pos_first)
+        else:
+            n0 = ctx_len + new_start + (it - cache_tiles) * BLOCK_N
+            key_end = ctx_len + q_len
+            needs_mask = n0 + BLOCK_N > key_end
+            if CAUSAL:
+                needs_mask = needs_mask | (n0 + BLOCK_N - 1 > pos_first)
+        if WINDOW:
+            needs_mask = needs_mask | (n0 < full_from)
+        k_pos = n0 + offs_n
+        if SOFTCAP:
+            scores = soft_cap(scores * qk_scale, softcap) * LOG2E
+        else:
+            scores = scores * qk_scale
+        if ALIBI:
+            scores += gl.expand_dims(alibi2, 1) * (gl.expand_dims(k_pos, 0) - gl.expand_dims(q_pos, 1)).to(gl.float32)
+        if needs_mask:
+            scores = gl.where(visible(q_pos, k_pos, k_pos < key_end, window, CAUSAL, WINDOW), scores, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(scores, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(scores - gl.expand_dims(m_use, 1))
+        l_i = l_i * alpha + gl.sum(p, 1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+        acc = warpgroup_mma(p_op, v_smem.index(s), acc)
+        # Every consumer warp is past its MMAs before the buffer is handed back to the producer.
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(s), count=1)
+        m_i = m_new
+
+    sink2 = gl.zeros([BLOCK_M], gl.float32, row_o)
+    if SINKS:
+        sink2 = gl.load(sinks + gl.convert_layout(head, row_o), mask=gl.convert_layout(row_ok, row_o),
+                        other=0.0).to(gl.float32) * LOG2E
+    inv_out_scale = 1.0
+    if OUT_SCALE:
+        inv_out_scale = 1.0 / scalar_or_load(out_scale, out_scale_ptr, OUT_SCALE_PTR)
+    out = finish_rows(acc, gl.convert_layout(m_i, row_o), gl.convert_layout(l_i, row_o), sink2, inv_out_scale,
+                      SINKS)
+    if OUT_SCALE:
+        out = round_to_fp8_e4m3(out, OUT_MAX)
+    offs_d = gl.arange(0, HEAD_SIZE, gl.SliceLayout(0, o_layout))
+    rows = gl.convert_layout(out_rows, row_o)
+    heads = gl.convert_layout(head, row_o)
+    ok = gl.convert_layout(row_ok, row_o)
+    o_off = (gl.expand_dims(rows.to(gl.int64) * stride_ot + heads.to(gl.int64) * stride_oh, 1)
+             + gl.expand_dims(offs_d, 0))
+    gl.store(Out + o_off, out.to(Out.dtype.element_ty), mask=gl.expand_dims(ok, 1))
+
+
+@gluon.jit
+def hopper_prefill_kernel(
+    Q, Out, k_cache, v_cache, k_new, v_new, block_table, query_start, seq_lens, ctx_lens, alibi_slopes, sinks,
+    out_scale_ptr,
+    qk_scale, out_scale, softcap, window, num_seqs, num_tokens, num_blocks, table_width, group_size,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_table_seq,
+    HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    HEADS_PER_TILE: gl.constexpr, HEAD_CHUNKS: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
+    SKIP_DECODE: gl.constexpr, NEW_KV_IN_CACHE: gl.constexpr, OUT_SCALE: gl.constexpr,
+    OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr,
+):
+    """Prefix-prefill attention of one query tile on sm90 (see the module docstring).
+
+    ``k_cache``/``v_cache`` are TMA descriptors over the NHD cache viewed as ``[blocks * PAGE, Hkv * D]``;
+    ``k_new``/``v_new`` over the new tokens' K/V viewed as ``[T, Hkv * D]`` (the cache again when
+    ``NEW_KV_IN_CACHE``: then unused). ``qk_scale`` has ``log2(e)`` folded in unless ``SOFTCAP``.
+    """
+    TOKENS_PER_TILE: gl.constexpr = BLOCK_M // HEADS_PER_TILE
+    seq, tok0 = locate_tile(gl.program_id(0), query_start, num_seqs, TOKENS_PER_TILE)
+    seq_row0 = gl.load(query_start + seq)
+    ctx_len = gl.load(ctx_lens + seq)
+    q_len = gl.load(seq_lens + seq) - ctx_len
+    done = tok0 >= q_len
+    if SKIP_DECODE:
+        done = done | (q_len == 1)  # single-token rows belong to a decode kernel: left untouched
+    if done:
+        return
+    kv_head = gl.program_id(1) // HEAD_CHUNKS
+    chunk = gl.program_id(1) % HEAD_CHUNKS
+
+    # Rows of the tile: (token, head) pairs, read from q with ordinary loads (any strides, any packing).
+    load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+    offs_m = gl.arange(0, BLOCK_M, gl.SliceLayout(1, load_layout))
+    offs_d = gl.arange(0, HEAD_SIZE, gl.SliceLayout(0, load_layout))
+    tok = tok0 + offs_m // HEADS_PER_TILE
+    head_in_group = chunk * HEADS_PER_TILE + offs_m % HEADS_PER_TILE
+    head = kv_head * group_size + head_in_group
+    q_rows = seq_row0 + tok
+    row_ok = (offs_m < TOKENS_PER_TILE * HEADS_PER_TILE) & (tok < q_len) & (head_in_group < group_size)
+    row_ok = row_ok & (q_rows >= 0) & (q_rows < num_tokens)
+    q_pos = gl.where(row_ok, ctx_len + tok, -1)
+    q_off = (gl.expand_dims(q_rows.to(gl.int64) * stride_qt + head.to(gl.int64) * stride_qh, 1)
+             + gl.expand_dims(offs_d, 0))
+    q = gl.load(Q + q_off, mask=gl.expand_dims(row_ok, 1), other=0.0)
+
+    tok_last = gl.minimum(tok0 + TOKENS_PER_TILE, q_len) - 1
+    cache_start, cache_tiles, new_start, new_tiles = _key_tiles(ctx_len, q_len, tok0, tok_last, window, BLOCK_N,
+                                                                CAUSAL, WINDOW, NEW_KV_IN_CACHE)
+    # A table without columns or a cache without blocks holds nothing to read, whatever ctx_len claims.
+    cache_tiles = gl.where((table_width > 0) & (num_blocks > 0), cache_tiles, 0)
+    full_from = 0  # keys every row of the tile sees without a window mask start here
+    if WINDOW:
+        full_from = gl.maximum(ctx_len + tok_last - window + 1, 0)
+
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_SIZE],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_SIZE], dtype), q)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_SIZE], dtype)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_SIZE], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_SIZE], kv_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    fence_async_shared()
+    table_row = block_table + seq.to(gl.int64) * stride_table_seq
+
+    gl.warp_specialize([
+        (_consumer, (q_smem, k_smem, v_smem, ready, empty, Out, out_scale_ptr, alibi_slopes, sinks,
+                     head, row_ok, q_pos, q_rows, ctx_len, q_len, window, softcap, qk_scale, out_scale,
+                     stride_ot, stride_oh, cache_start, cache_tiles, new_start, new_tiles, ctx_len + tok0, full_from,
+                     HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES, NUM_WARPS, CAUSAL, WINDOW, SOFTCAP, ALIBI, SINKS,
+                     NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX)),
+        (_producer, (k_cache, v_cache, k_new, v_new, k_smem, v_smem, ready, empty, table_row, table_width,
+                     num_blocks, kv_head, seq_row0, cache_start, cache_tiles, new_start, new_tiles,
+                     HEAD_SIZE, PAGE, BLOCK_N, STAGES)),
+    ], [1], [24])

@@ -1,0 +1,175 @@
+"""Host side of the Hopper kernel: whether a call fits it, its TMA descriptors, and one launch.
+
+The policy chooses the kernel from what a call looks like (:func:`shape_unfit_reason`); a few properties
+only the tensors know (strides that a 2-D TMA view needs, 16-byte alignment) are checked per call signature
+by :func:`unfit_reason`, and a call that fails them runs on the portable kernel with the same tile.
+Like core's launcher, nothing here synchronises with the device or allocates.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+from pagedprefill.accelerator import device_guard
+from pagedprefill.tiling import ProblemShape, TileConfig, launch_grid
+from pagedprefill.triton.launch import FP8_E4M3_MAX, BoundLaunch, KernelCall, _scale_arg
+from pagedprefill.types import KVLayout, PrefillProblem
+
+#: Head sizes the kernel is built for (the accumulator of a 128-row tile must fit the consumers' registers).
+HEAD_SIZES = (64, 128)
+#: TMA coordinates are 32-bit.
+MAX_ROWS = 2**31 - 1
+
+
+def shape_unfit_reason(shape: ProblemShape, config: TileConfig) -> Optional[str]:
+    """Why the Hopper kernel cannot take calls of this shape with this tile, or None when it can."""
+    if shape.dtype not in (torch.float16, torch.bfloat16):
+        return f"needs float16 or bfloat16 inputs, not {shape.dtype}"
+    if shape.kv_cache_dtype != "auto":
+        return f"reads the cache in the input dtype only, not {shape.kv_cache_dtype!r}"
+    if shape.layout != "nhd":
+        return f"reads the NHD cache layout only, not {shape.layout!r}"
+    if shape.head_size not in HEAD_SIZES:
+        return f"is built for head sizes {HEAD_SIZES}, not {shape.head_size}"
+    page, block_n = shape.block_size, config.block_n
+    if page < 8 or page & (page - 1) or not (block_n % page == 0 or page % block_n == 0):
+        return f"needs a power-of-two block size >= 8 that divides or is a multiple of block_n={block_n}, not {page}"
+    if config.block_m != 16 * config.num_warps:
+        return f"needs block_m = 16 x num_warps (one MMA row band per warp), not {config.block_m} with " \
+               f"{config.num_warps} warps"
+    return None
+
+
+def _tma_2d(t: torch.Tensor, rows_dim: int, cols_dims: tuple[int, ...]) -> Optional[tuple[int, int]]:
+    """``(rows, row stride)`` of ``t`` seen as a 2-D matrix whose rows are ``rows_dim`` (and the dims before
+    it, when they are row-contiguous) and whose columns are ``cols_dims`` (contiguous), or None when the
+    strides do not allow that view or TMA cannot address it (16-byte aligned rows and base)."""
+    inner = 1
+    for d in reversed(cols_dims):
+        if t.stride(d) != inner:
+            return None
+        inner *= t.shape[d]
+    rows, row_stride = t.shape[rows_dim], t.stride(rows_dim)
+    for d in range(rows_dim - 1, -1, -1):
+        if t.stride(d) != t.shape[d + 1] * t.stride(d + 1) and t.shape[d] > 1:
+            return None
+        rows *= t.shape[d]
+    if (row_stride * t.element_size()) % 16 or t.data_ptr() % 16 or rows > MAX_ROWS:
+        return None
+    return rows, row_stride
+
+
+def unfit_reason(problem: PrefillProblem, config: TileConfig) -> Optional[str]:
+    """Why the Hopper kernel cannot take ``problem`` (tensor strides and alignment), or None when it can."""
+    c = problem.cache
+    if c.layout is not KVLayout.NHD:
+        return "reads the NHD cache layout only"
+    for name, t in (("key_cache", c.key), ("value_cache", c.value)):
+        if _tma_2d(t, 1, (2, 3)) is None:
+            return f"{name}: needs [blocks, slots] rows of contiguous heads, 16-byte aligned"
+    if problem.k is not None:
+        for name, t in (("k", problem.k), ("v", problem.v)):
+            if _tma_2d(t, 0, (1, 2)) is None:
+                return f"{name}: needs rows of contiguous heads, 16-byte aligned"
+    for name, t in (("q", problem.q), ("out", problem.out)):
+        if t.stride(2) != 1:
+            return f"{name}: needs a contiguous head dim"
+    return None
+
+
+def _descriptor(t: torch.Tensor, rows_dim: int, cols_dims: tuple[int, ...], box_rows: int, head_size: int):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    rows, row_stride = _tma_2d(t, rows_dim, cols_dims)
+    cols = math.prod(t.shape[d] for d in cols_dims)
+    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([box_rows, head_size], dtype)
+    return TensorDescriptor(t, [rows, cols], [row_stride, 1], [box_rows, head_size], layout)
+
+
+def call_tensors(p: PrefillProblem, config: TileConfig) -> tuple:
+    """The kernel's tensor arguments (TMA descriptors for K/V) in signature order."""
+    c, o, b = p.cache, p.options, p.batch
+    D = p.head_size
+    box = min(c.block_size, config.block_n)
+    k_cache = _descriptor(c.key, 1, (2, 3), box, D)
+    v_cache = _descriptor(c.value, 1, (2, 3), box, D)
+    if p.k is None:
+        k_new, v_new = k_cache, v_cache  # unused: the new tokens' K/V are read from the cache
+    else:
+        k_new = _descriptor(p.k, 0, (1, 2), config.block_n, D)
+        v_new = _descriptor(p.v, 0, (1, 2), config.block_n, D)
+    q = p.q
+    out_scale = o.fp8_out_scale
+    return (q, p.out, k_cache, v_cache, k_new, v_new, b.block_table, b.query_start, b.seq_lens, b.context_lens,
+            q if o.alibi_slopes is None else o.alibi_slopes, q if o.sinks is None else o.sinks,
+            out_scale if isinstance(out_scale, torch.Tensor) else q)
+
+
+def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape) -> Optional[KernelCall]:
+    """The launch of the Hopper kernel for ``problem`` with the settled ``config``, or None when there is
+    nothing to do."""
+    p = problem
+    T, H, D = p.q.shape
+    B = p.batch.num_seqs
+    if T == 0 or B == 0 or H == 0:
+        return None
+    opts = p.options
+    group = H // p.num_kv_heads
+    softcap = float(opts.softcap)
+    qk_scale = p.sm_scale if softcap > 0 else p.sm_scale * 1.4426950408889634
+    out_scale_value, out_from_ptr = _scale_arg(opts.fp8_out_scale, True)
+    table = p.batch.block_table
+    scalars = (qk_scale, out_scale_value, softcap, opts.sliding_window or 0, B, T, p.cache.num_blocks,
+               table.shape[1], group, p.q.stride(0), p.q.stride(1), p.out.stride(0), p.out.stride(1),
+               table.stride(0))
+    constexprs = dict(
+        HEAD_SIZE=D, PAGE=p.cache.block_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        HEADS_PER_TILE=config.heads_per_tile, HEAD_CHUNKS=triton.cdiv(group, config.heads_per_tile),
+        STAGES=config.num_stages, NUM_WARPS=config.num_warps, CAUSAL=opts.causal,
+        WINDOW=opts.sliding_window is not None, SOFTCAP=softcap > 0, ALIBI=opts.alibi_slopes is not None,
+        SINKS=opts.sinks is not None, SKIP_DECODE=opts.skip_decode, NEW_KV_IN_CACHE=p.k is None,
+        OUT_SCALE=opts.fp8_out_scale is not None, OUT_SCALE_PTR=out_from_ptr, OUT_MAX=FP8_E4M3_MAX,
+    )
+    return KernelCall(launch_grid(shape, config), call_tensors(p, config), scalars, constexprs,
+                      dict(num_warps=config.num_warps))
+
+
+def launch_hopper(problem: PrefillProblem, config: TileConfig, shape: ProblemShape):
+    """Run the Hopper kernel (compiling on first use); Triton's compiled-kernel handle, or None when there
+    was nothing to launch."""
+    from .kernel import hopper_prefill_kernel
+
+    call = kernel_call(problem, config, shape)
+    if call is None:
+        return None
+    with device_guard(problem.q.device):
+        return hopper_prefill_kernel[call.grid](*call.args, **call.kwargs)
+
+
+def bind_hopper(problem: PrefillProblem, config: TileConfig, shape: ProblemShape):
+    """Launch ``problem`` and return ``launch(later_problem) -> bool`` for later calls with its signature
+    (TMA descriptors are rebuilt per call: they hold the tensors' addresses), or None when nothing was
+    launched."""
+    from .kernel import hopper_prefill_kernel
+
+    call = kernel_call(problem, config, shape)
+    if call is None:
+        return None
+    device = problem.q.device
+    with device_guard(device):
+        compiled = hopper_prefill_kernel[call.grid](*call.args, **call.kwargs)
+    bound = BoundLaunch(compiled, call, device, kernel=hopper_prefill_kernel)
+
+    def launch(later: PrefillProblem) -> bool:
+        # Shapes and strides are those of the signature; only an address can have lost TMA's 16-byte alignment.
+        c = later.cache
+        if any(t is not None and t.data_ptr() % 16 for t in (c.key, c.value, later.k, later.v)):
+            return False
+        return bound(call_tensors(later, config))
+
+    return launch
