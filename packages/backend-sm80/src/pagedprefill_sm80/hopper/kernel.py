@@ -32,7 +32,13 @@ from pagedprefill.triton.blocks import (
 )
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 
 @gluon.jit
@@ -105,6 +111,48 @@ def _producer(k_cache, v_cache, k_new, v_new, k_smem, v_smem, ready, empty,
 
 
 @gluon.jit
+def _softmax_tile(scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap, qk_scale,
+                  cache_start, cache_tiles, new_start, pos_first, full_from, p_layout: gl.constexpr,
+                  p_dtype: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                  SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, NEW_KV_IN_CACHE: gl.constexpr):
+    """One online-softmax step on the raw scores of key tile ``it``: log2-domain logits (scale, softcap,
+    ALiBi), masks only where the tile needs them, the running max and sum, and P as the next MMA's operand.
+
+    Returns ``(P, alpha, m, l)``; the caller rescales its accumulator by ``alpha``. Rows that have seen no key
+    yet keep ``m = -inf`` and contribute nothing (no NaN).
+    """
+    if it < cache_tiles:
+        n0 = cache_start + it * BLOCK_N
+        key_end = kv_len
+        needs_mask = n0 + BLOCK_N > kv_len
+        if NEW_KV_IN_CACHE and CAUSAL:
+            needs_mask = needs_mask | (n0 + BLOCK_N - 1 > pos_first)
+    else:
+        n0 = ctx_len + new_start + (it - cache_tiles) * BLOCK_N
+        key_end = ctx_len + q_len
+        needs_mask = n0 + BLOCK_N > key_end
+        if CAUSAL:
+            needs_mask = needs_mask | (n0 + BLOCK_N - 1 > pos_first)
+    if WINDOW:
+        needs_mask = needs_mask | (n0 < full_from)
+    k_pos = n0 + offs_n
+    if SOFTCAP:
+        scores = soft_cap(scores * qk_scale, softcap) * LOG2E
+    else:
+        scores = scores * qk_scale
+    if ALIBI:
+        scores += gl.expand_dims(alibi2, 1) * (gl.expand_dims(k_pos, 0) - gl.expand_dims(q_pos, 1)).to(gl.float32)
+    if needs_mask:
+        scores = gl.where(visible(q_pos, k_pos, k_pos < key_end, window, CAUSAL, WINDOW), scores, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(scores, 1))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(scores - gl.expand_dims(m_use, 1))
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return gl.convert_layout(p.to(p_dtype), p_layout), alpha, m_new, l_i
+
+
+@gluon.jit
 def _consumer(q_smem, k_smem, v_smem, ready, empty, Out, out_scale_ptr, alibi_slopes, sinks,
               head, row_ok, q_pos, out_rows,
               ctx_len, q_len, window, softcap, qk_scale, out_scale, stride_ot, stride_oh,
@@ -112,7 +160,8 @@ def _consumer(q_smem, k_smem, v_smem, ready, empty, Out, out_scale_ptr, alibi_sl
               HEAD_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               NUM_WARPS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
               ALIBI: gl.constexpr, SINKS: gl.constexpr, NEW_KV_IN_CACHE: gl.constexpr,
-              OUT_SCALE: gl.constexpr, OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr):
+              OUT_SCALE: gl.constexpr, OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr,
+              OVERLAP: gl.constexpr):
     """Consume the ring: scores, online softmax and ``P V`` per key tile; then normalise and store."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -137,47 +186,47 @@ def _consumer(q_smem, k_smem, v_smem, ready, empty, Out, out_scale_ptr, alibi_sl
     else:
         kv_len = ctx_len
 
-    for it in range(cache_tiles + new_tiles):
-        s = it % STAGES
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        scores = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)),
-                               gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False)
-        # Key positions of this tile, and whether any mask applies to it at all.
-        if it < cache_tiles:
-            n0 = cache_start + it * BLOCK_N
-            key_end = kv_len
-            needs_mask = n0 + BLOCK_N > kv_len
-            if NEW_KV_IN_CACHE and CAUSAL:
-                needs_mask = needs_mask | (n0 + BLOCK_N - 1 > pos_first)
-        else:
-            n0 = ctx_len + new_start + (it - cache_tiles) * BLOCK_N
-            key_end = ctx_len + q_len
-            needs_mask = n0 + BLOCK_N > key_end
-            if CAUSAL:
-                needs_mask = needs_mask | (n0 + BLOCK_N - 1 > pos_first)
-        if WINDOW:
-            needs_mask = needs_mask | (n0 < full_from)
-        k_pos = n0 + offs_n
-        if SOFTCAP:
-            scores = soft_cap(scores * qk_scale, softcap) * LOG2E
-        else:
-            scores = scores * qk_scale
-        if ALIBI:
-            scores += gl.expand_dims(alibi2, 1) * (gl.expand_dims(k_pos, 0) - gl.expand_dims(q_pos, 1)).to(gl.float32)
-        if needs_mask:
-            scores = gl.where(visible(q_pos, k_pos, k_pos < key_end, window, CAUSAL, WINDOW), scores, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(scores, 1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(scores - gl.expand_dims(m_use, 1))
-        l_i = l_i * alpha + gl.sum(p, 1)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-        acc = warpgroup_mma(p_op, v_smem.index(s), acc)
-        # Every consumer warp is past its MMAs before the buffer is handed back to the producer.
-        gl.thread_barrier()
-        mbarrier.arrive(empty.index(s), count=1)
-        m_i = m_new
+    total = cache_tiles + new_tiles
+    if OVERLAP:
+        # The next tile's Q K^T is issued before this tile's softmax, so the tensor cores work through it.
+        # The last iteration issues a spare product on its own (still held) buffer instead of a conditional one.
+        scores = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        if total > 0:
+            mbarrier.wait(ready.index(0), 0)
+            scores = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), scores, use_acc=False)
+        for it in range(total):
+            s = it % STAGES
+            has_next = it + 1 < total
+            s_next = gl.where(has_next, (it + 1) % STAGES, s)
+            if has_next:
+                mbarrier.wait(ready.index(s_next), ((it + 1) // STAGES) & 1)
+            next_token = warpgroup_mma(q_smem, k_smem.index(s_next).permute((1, 0)),
+                                       gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                                       is_async=True)
+            p_op, alpha, m_i, l_i = _softmax_tile(
+                scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap, qk_scale,
+                cache_start, cache_tiles, new_start, pos_first, full_from, p_layout, q_smem.dtype, BLOCK_N, CAUSAL,
+                WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            acc_token = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
+            scores, acc = warpgroup_mma_wait(0, deps=[next_token, acc_token])
+            # Every consumer warp is past its MMAs before the buffer is handed back to the producer.
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index(s), count=1)
+    else:
+        for it in range(total):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            scores = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)),
+                                   gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False)
+            p_op, alpha, m_i, l_i = _softmax_tile(
+                scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap, qk_scale,
+                cache_start, cache_tiles, new_start, pos_first, full_from, p_layout, q_smem.dtype, BLOCK_N, CAUSAL,
+                WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            acc = warpgroup_mma(p_op, v_smem.index(s), acc)
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index(s), count=1)
 
     sink2 = gl.zeros([BLOCK_M], gl.float32, row_o)
     if SINKS:
@@ -209,7 +258,7 @@ def hopper_prefill_kernel(
     HEADS_PER_TILE: gl.constexpr, HEAD_CHUNKS: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
     CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
     SKIP_DECODE: gl.constexpr, NEW_KV_IN_CACHE: gl.constexpr, OUT_SCALE: gl.constexpr,
-    OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr,
+    OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr, OVERLAP: gl.constexpr, HEAVY_FIRST: gl.constexpr,
 ):
     """Prefix-prefill attention of one query tile on sm90 (see the module docstring).
 
@@ -218,7 +267,12 @@ def hopper_prefill_kernel(
     ``NEW_KV_IN_CACHE``: then unused). ``qk_scale`` has ``log2(e)`` folded in unless ``SOFTCAP``.
     """
     TOKENS_PER_TILE: gl.constexpr = BLOCK_M // HEADS_PER_TILE
-    seq, tok0 = locate_tile(gl.program_id(0), query_start, num_seqs, TOKENS_PER_TILE)
+    tile = gl.program_id(0)
+    if HEAVY_FIRST:
+        # Programs start in index order: the last tiles of each sequence (the most keys under a causal mask)
+        # go first, so the lightest ones fill the end of the launch.
+        tile = gl.num_programs(0) - 1 - tile
+    seq, tok0 = locate_tile(tile, query_start, num_seqs, TOKENS_PER_TILE)
     seq_row0 = gl.load(query_start + seq)
     ctx_len = gl.load(ctx_lens + seq)
     q_len = gl.load(seq_lens + seq) - ctx_len
@@ -273,7 +327,7 @@ def hopper_prefill_kernel(
                      head, row_ok, q_pos, q_rows, ctx_len, q_len, window, softcap, qk_scale, out_scale,
                      stride_ot, stride_oh, cache_start, cache_tiles, new_start, new_tiles, ctx_len + tok0, full_from,
                      HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES, NUM_WARPS, CAUSAL, WINDOW, SOFTCAP, ALIBI, SINKS,
-                     NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX)),
+                     NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, OVERLAP)),
         (_producer, (k_cache, v_cache, k_new, v_new, k_smem, v_smem, ready, empty, table_row, table_width,
                      num_blocks, kv_head, seq_row0, cache_start, cache_tiles, new_start, new_tiles,
                      HEAD_SIZE, PAGE, BLOCK_N, STAGES)),

@@ -110,9 +110,16 @@ def call_tensors(p: PrefillProblem, config: TileConfig) -> tuple:
             out_scale if isinstance(out_scale, torch.Tensor) else q)
 
 
-def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape) -> Optional[KernelCall]:
-    """The launch of the Hopper kernel for ``problem`` with the settled ``config``, or None when there is
-    nothing to do."""
+#: How the consumers schedule their MMAs and the grid its tiles (constexprs of the kernel): ``OVERLAP`` issues
+#: the next tile's Q K^T before this tile's softmax; ``HEAVY_FIRST`` runs each sequence's last query tiles
+#: first.
+SCHEDULE = dict(OVERLAP=True, HEAVY_FIRST=True)
+
+
+def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape,
+                schedule: Optional[dict] = None) -> Optional[KernelCall]:
+    """The launch of the Hopper kernel for ``problem`` with the settled ``config`` (and ``schedule``, by
+    default :data:`SCHEDULE`), or None when there is nothing to do."""
     p = problem
     T, H, D = p.q.shape
     B = p.batch.num_seqs
@@ -134,30 +141,31 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
         WINDOW=opts.sliding_window is not None, SOFTCAP=softcap > 0, ALIBI=opts.alibi_slopes is not None,
         SINKS=opts.sinks is not None, SKIP_DECODE=opts.skip_decode, NEW_KV_IN_CACHE=p.k is None,
         OUT_SCALE=opts.fp8_out_scale is not None, OUT_SCALE_PTR=out_from_ptr, OUT_MAX=FP8_E4M3_MAX,
+        **(SCHEDULE if schedule is None else schedule),
     )
     return KernelCall(launch_grid(shape, config), call_tensors(p, config), scalars, constexprs,
                       dict(num_warps=config.num_warps))
 
 
-def launch_hopper(problem: PrefillProblem, config: TileConfig, shape: ProblemShape):
+def launch_hopper(problem: PrefillProblem, config: TileConfig, shape: ProblemShape, schedule: Optional[dict] = None):
     """Run the Hopper kernel (compiling on first use); Triton's compiled-kernel handle, or None when there
     was nothing to launch."""
     from .kernel import hopper_prefill_kernel
 
-    call = kernel_call(problem, config, shape)
+    call = kernel_call(problem, config, shape, schedule)
     if call is None:
         return None
     with device_guard(problem.q.device):
         return hopper_prefill_kernel[call.grid](*call.args, **call.kwargs)
 
 
-def bind_hopper(problem: PrefillProblem, config: TileConfig, shape: ProblemShape):
+def bind_hopper(problem: PrefillProblem, config: TileConfig, shape: ProblemShape, schedule: Optional[dict] = None):
     """Launch ``problem`` and return ``launch(later_problem) -> bool`` for later calls with its signature
     (TMA descriptors are rebuilt per call: they hold the tensors' addresses), or None when nothing was
     launched."""
     from .kernel import hopper_prefill_kernel
 
-    call = kernel_call(problem, config, shape)
+    call = kernel_call(problem, config, shape, schedule)
     if call is None:
         return None
     device = problem.q.device

@@ -1,0 +1,125 @@
+"""The Hopper kernel without a GPU: which calls the policy routes to it and why, what it refuses, and what it
+compiles to for sm90 (warp specialisation, TMA, warpgroup MMA, register split, no spills).
+
+Its results are checked on an sm90 GPU by ``test_sm80_hopper_conformance.py``: Gluon kernels do not run in
+Triton's CPU interpreter.
+"""
+
+import pytest
+import torch
+from pagedprefill import DeviceInfo
+from pagedprefill.backends.triton_base import problem_shape
+from pagedprefill.tiling import ProblemShape
+from pagedprefill.triton.codegen import compile_call, summarize
+from pagedprefill.workloads import BatchSpec, make_problem
+from pagedprefill_sm80 import Sm80Backend
+from pagedprefill_sm80.hopper.launch import kernel_call, unfit_reason
+from pagedprefill_sm80.policy import HOPPER_BY_DEFAULT, KERNEL_ENV, choose_kernel, hopper_config, kernel_preference
+
+
+def nvidia(cap, smem, name):
+    return DeviceInfo(type="cuda", index=0, vendor="nvidia", name=name, capability=cap, warp_size=32, num_sms=132,
+                      max_shared_mem=smem, triton_backend="cuda")
+
+
+H200 = nvidia((9, 0), 227 * 1024, "NVIDIA H200")
+A100 = nvidia((8, 0), 163 * 1024, "NVIDIA A100")
+SPEC = BatchSpec(query_lens=(40, 1, 70), context_lens=(90, 33, 0), num_heads=8, num_kv_heads=2, head_size=128,
+                 block_size=16, dtype=torch.bfloat16, layout="nhd")
+
+
+@pytest.fixture(autouse=True)
+def _described_gpus(monkeypatch):
+    """These tests describe GPUs; Triton's interpreter (set for the kernel tests) would veto every GPU."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+
+
+def shape(**changes) -> ProblemShape:
+    return problem_shape(make_problem(SPEC.replace(**changes)))
+
+
+def test_forced_hopper_kernel_takes_the_shapes_it_is_built_for(monkeypatch):
+    monkeypatch.setenv(KERNEL_ENV, "hopper")
+    for changes in ({}, {"head_size": 64}, {"dtype": torch.float16}, {"block_size": 64}, {"block_size": 8},
+                    {"num_kv_heads": 8}, {"sliding_window": 7, "alibi": True, "softcap": 5.0, "sinks": True}):
+        kernel, why = choose_kernel(shape(**changes), H200)
+        assert (kernel, why) == ("hopper", f"{KERNEL_ENV}=hopper"), changes
+        config = Sm80Backend().tile_config(shape(**changes), H200)
+        assert config.kernel == "hopper" and config.block_m == 16 * config.num_warps
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"layout": "split"}, "NHD"),
+    ({"kv_cache_dtype": "fp8_e4m3"}, "fp8_e4m3"),
+    ({"dtype": torch.float32}, "float32"),
+    ({"head_size": 96}, "head sizes"),
+    ({"block_size": 4}, "block size"),
+    ({"block_size": 48}, "block size"),
+])
+def test_shapes_it_does_not_take_run_on_the_portable_kernel_with_the_reason(monkeypatch, changes, words):
+    monkeypatch.setenv(KERNEL_ENV, "hopper")
+    kernel, why = choose_kernel(shape(**changes), H200)
+    assert kernel == "portable" and words in why, why
+    assert Sm80Backend().tile_config(shape(**changes), H200).kernel == "portable"
+
+
+def test_not_on_other_gpus_and_not_by_default(monkeypatch):
+    monkeypatch.setenv(KERNEL_ENV, "hopper")
+    kernel, why = choose_kernel(shape(), A100)
+    assert kernel == "portable" and "9.0" in why
+    monkeypatch.setenv(KERNEL_ENV, "auto")
+    assert choose_kernel(shape(), H200)[0] == ("hopper" if HOPPER_BY_DEFAULT else "portable")
+    monkeypatch.setenv(KERNEL_ENV, "portable")
+    assert choose_kernel(shape(), H200) == ("portable", f"{KERNEL_ENV}=portable")
+
+
+def test_a_misspelt_preference_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv(KERNEL_ENV, "hoper")
+    with pytest.raises(ValueError, match=f"{KERNEL_ENV}: expected one of auto, hopper, portable, got 'hoper'"):
+        kernel_preference()
+
+
+def test_tensors_a_tma_view_cannot_address_fall_back_to_the_portable_kernel(monkeypatch):
+    monkeypatch.setenv(KERNEL_ENV, "hopper")
+    backend = Sm80Backend()
+    problem = make_problem(SPEC)
+    config = backend.tile_config(problem_shape(problem), H200)
+    assert unfit_reason(problem, config) is None and backend.kernel_for(problem, H200) == "hopper"
+    # Keys that are a slice of a wider tensor along the head dim: heads are not contiguous rows any more.
+    wide = torch.randn(problem.cache.key.shape[:-1] + (2 * SPEC.head_size,), dtype=torch.bfloat16)
+    import dataclasses
+
+    sliced = dataclasses.replace(problem, cache=dataclasses.replace(problem.cache, key=wide[..., :SPEC.head_size]))
+    assert "key_cache" in unfit_reason(sliced, config)
+    assert backend.kernel_for(sliced, H200) == "portable"
+    # New keys one element off 16-byte alignment.
+    flat = torch.randn(problem.k.numel() + 1, dtype=torch.bfloat16)[1:].view(problem.k.shape)
+    shifted = dataclasses.replace(problem, k=flat)
+    assert unfit_reason(shifted, config).startswith("k:")
+
+
+@pytest.mark.parametrize("changes", [
+    {}, {"head_size": 64}, {"block_size": 64}, {"block_size": 8},
+    {"sliding_window": 20, "alibi": True, "softcap": 10.0, "sinks": True, "fp8_out_scale": 0.5},
+    {"kv_in_cache": True, "causal": False, "skip_decode": True},
+], ids=["d128", "d64", "block64", "block8", "features", "vllm-options"])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+def test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma(changes, overlap):
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    problem = make_problem(SPEC.replace(**changes))
+    s = problem_shape(problem)
+    config = hopper_config(s)
+    call = kernel_call(problem, config, s, schedule=dict(OVERLAP=overlap, HEAVY_FIRST=True))
+    summary = summarize(compile_call(_kernel(), call, 90), 90)
+    assert summary.warp_specialized and summary.setmaxnreg > 0
+    assert summary.wgmma > 0 and summary.mma_sync == 0
+    assert summary.tma_copies > 0 and summary.async_copies == 0
+    assert summary.spill_bytes in (0, None)
+    assert summary.shared_bytes <= H200.max_shared_mem
+
+
+def _kernel():
+    from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
+
+    return hopper_prefill_kernel
