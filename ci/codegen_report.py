@@ -5,10 +5,15 @@ each cache layout, the backend that would be selected picks its tile; the kernel
 for that target and the report shows registers, spills, shared memory, whether the dots are ``wgmma``,
 the count of asynchronous copies, and whether the key loops are software-pipelined.
 
+With ``--hopper`` the H200 rows are compiled a second time with sm80's Hopper kernel forced
+(``PAGEDPREFILL_SM80_KERNEL=hopper``): rows it takes show its tile, TMA copies, warp specialisation and
+``setmaxnreg``; rows it does not take show the portable kernel again.
+
 Usage::
 
     python ci/codegen_report.py                 # the whole suite, both devices, both layouts
     python ci/codegen_report.py --quick         # one workload per device and layout (CI)
+    python ci/codegen_report.py --hopper        # also the H200 rows on the Hopper kernel
     python ci/codegen_report.py --json out.json
 
 Exit status 1 when a tile spills registers or a key loop is not pipelined on sm80+ (``--strict``).
@@ -18,13 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 from pagedprefill.api import select_backend
 from pagedprefill.backends.triton_base import problem_shape
 from pagedprefill.cli.info import described_devices
-from pagedprefill.triton.codegen import codegen_summary
+from pagedprefill.triton.codegen import summarize
 from pagedprefill.workloads import default_suite, make_problem
 
 DEVICES = {"h200": 90, "a100": 80}
@@ -36,7 +42,28 @@ def small_twin(spec):
     return spec.replace(query_lens=(33,) * min(n, 2), context_lens=(70,) * min(n, 2))
 
 
-def report(quick: bool = False, devices=DEVICES, layouts=("split", "nhd"), log=print) -> list[dict]:
+def report(quick: bool = False, devices=DEVICES, layouts=("split", "nhd"), log=print,
+           hopper: bool = False) -> list[dict]:
+    """One row per (device, workload, layout); ``hopper`` adds the H200 rows with sm80's Hopper kernel forced."""
+    rows = _report(quick, devices, layouts, log)
+    if hopper and "h200" in devices:
+        previous = os.environ.get(HOPPER_ENV)
+        os.environ[HOPPER_ENV] = "hopper"
+        try:
+            rows += _report(quick, {"h200": devices["h200"]}, layouts, log)
+        finally:
+            if previous is None:
+                os.environ.pop(HOPPER_ENV, None)
+            else:
+                os.environ[HOPPER_ENV] = previous
+    return rows
+
+
+#: The sm80 backend's kernel choice (see pagedprefill_sm80.policy).
+HOPPER_ENV = "PAGEDPREFILL_SM80_KERNEL"
+
+
+def _report(quick: bool, devices, layouts, log) -> list[dict]:
     suite = default_suite()[:1] if quick else default_suite()
     described = described_devices()
     rows = []
@@ -55,7 +82,8 @@ def report(quick: bool = False, devices=DEVICES, layouts=("split", "nhd"), log=p
                 row = {"device": device_name, "backend": backend.name, "workload": workload.name,
                        "layout": layout, "tile": config.to_dict()}
                 try:
-                    summary = codegen_summary(make_problem(small_twin(spec)), config, capability)
+                    twin = make_problem(small_twin(spec))
+                    summary = summarize(backend.compile_for_target(twin, config, capability), capability)
                 except Exception as exc:  # the target cannot compile this kernel (an FP8 format it lacks, say)
                     row["error"] = str(exc).strip().splitlines()[-1][:160]
                 else:
@@ -66,18 +94,21 @@ def report(quick: bool = False, devices=DEVICES, layouts=("split", "nhd"), log=p
     return rows
 
 
-HEADER = (f"{'device':<6} {'workload':<30} {'layout':<6} {'tile':<22} {'regs':>4} {'spill':>5} "
-          f"{'smem KiB':>8} {'dots':<8} {'cp.async':>8} {'pipelined':>9} {'sync loads':>10}")
+HEADER = (f"{'device':<6} {'workload':<30} {'layout':<6} {'kernel':<8} {'tile':<22} {'regs':>4} {'spill':>5} "
+          f"{'smem KiB':>8} {'dots':<8} {'cp.async':>8} {'TMA':>4} {'pipelined':>9} {'sync loads':>10} {'ws':>3} "
+          f"{'setmaxnreg':>10}")
 
 
 def format_row(r: dict) -> str:
     t = r["tile"]
     tile = f"{t['block_m']}x{t['block_n']} w{t['num_warps']} s{t['num_stages']} g{t['heads_per_tile']}"
+    head = f"{r['device']:<6} {r['workload'][:30]:<30} {r['layout']:<6} {t.get('kernel', 'portable'):<8} {tile:<22}"
     if "error" in r:
-        return f"{r['device']:<6} {r['workload'][:30]:<30} {r['layout']:<6} {tile:<22} does not compile: {r['error']}"
-    return (f"{r['device']:<6} {r['workload'][:30]:<30} {r['layout']:<6} {tile:<22} {r['registers'] or '?':>4} "
+        return f"{head} does not compile: {r['error']}"
+    return (f"{head} {r['registers'] or '?':>4} "
             f"{r['spill_bytes'] if r['spill_bytes'] is not None else '?':>5} {r['shared_bytes'] / 1024:>8.1f} "
-            f"{r['dots']:<8} {r['async_copies']:>8} {r['pipelined_waits']:>9} {r['unpipelined_loads']:>10}")
+            f"{r['dots']:<8} {r['async_copies']:>8} {r['tma_copies']:>4} {r['pipelined_waits']:>9} "
+            f"{r['unpipelined_loads']:>10} {'yes' if r['warp_specialized'] else 'no':>3} {r['setmaxnreg']:>10}")
 
 
 def problems(rows: list[dict]) -> list[str]:
@@ -100,9 +131,10 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="one workload per device and layout")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--strict", action="store_true", help="exit 1 on spills or unpipelined key loops")
+    parser.add_argument("--hopper", action="store_true", help="also the H200 rows with sm80's Hopper kernel forced")
     args = parser.parse_args(argv)
     print(HEADER, flush=True)
-    rows = report(quick=args.quick, log=lambda line: print(line, flush=True))
+    rows = report(quick=args.quick, log=lambda line: print(line, flush=True), hopper=args.hopper)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

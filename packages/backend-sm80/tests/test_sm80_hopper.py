@@ -10,7 +10,6 @@ import torch
 from pagedprefill import DeviceInfo
 from pagedprefill.backends.triton_base import problem_shape
 from pagedprefill.tiling import ProblemShape
-from pagedprefill.triton.codegen import compile_call, summarize
 from pagedprefill.workloads import BatchSpec, make_problem
 from pagedprefill_sm80 import Sm80Backend
 from pagedprefill_sm80.hopper.launch import kernel_call, unfit_reason
@@ -99,27 +98,75 @@ def test_tensors_a_tma_view_cannot_address_fall_back_to_the_portable_kernel(monk
     assert unfit_reason(shifted, config).startswith("k:")
 
 
-@pytest.mark.parametrize("changes", [
-    {}, {"head_size": 64}, {"block_size": 64}, {"block_size": 8},
-    {"sliding_window": 20, "alibi": True, "softcap": 10.0, "sinks": True, "fp8_out_scale": 0.5},
-    {"kv_in_cache": True, "causal": False, "skip_decode": True},
-], ids=["d128", "d64", "block64", "block8", "features", "vllm-options"])
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
-def test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma(changes, overlap):
-    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    problem = make_problem(SPEC.replace(**changes))
-    s = problem_shape(problem)
-    config = hopper_config(s)
-    call = kernel_call(problem, config, s, schedule=dict(OVERLAP=overlap, HEAVY_FIRST=True))
-    summary = summarize(compile_call(_kernel(), call, 90), 90)
-    assert summary.warp_specialized and summary.setmaxnreg > 0
-    assert summary.wgmma > 0 and summary.mma_sync == 0
-    assert summary.tma_copies > 0 and summary.async_copies == 0
-    assert summary.spill_bytes in (0, None)
-    assert summary.shared_bytes <= H200.max_shared_mem
+#: Calls compiled for sm90 by :func:`test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma`.
+COMPILED = {
+    "d128": {}, "d64": {"head_size": 64}, "block64": {"block_size": 64}, "block8": {"block_size": 8},
+    "features": {"sliding_window": 20, "alibi": True, "softcap": 10.0, "sinks": True, "fp8_out_scale": 0.5},
+    "vllm-options": {"kv_in_cache": True, "causal": False, "skip_decode": True},
+}
 
 
-def _kernel():
+def compile_summaries() -> dict:
+    """Codegen summary of each :data:`COMPILED` call, with and without the overlapped MMA schedule."""
+    from pagedprefill.triton.codegen import compile_call, summarize
     from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
 
-    return hopper_prefill_kernel
+    out = {}
+    for name, changes in COMPILED.items():
+        problem = make_problem(SPEC.replace(**changes))
+        s = problem_shape(problem)
+        for overlap in (True, False):
+            call = kernel_call(problem, hopper_config(s), s, schedule=dict(OVERLAP=overlap, HEAVY_FIRST=True))
+            out[f"{name}/{'overlap' if overlap else 'plain'}"] = summarize(compile_call(hopper_prefill_kernel, call,
+                                                                                       90), 90).to_dict()
+    return out
+
+
+def without_interpreter() -> dict:
+    """The environment for a child process that compiles for a GPU (Triton's interpreter, set for the kernel
+    tests, decorates kernels for the CPU and Gluon refuses those)."""
+    import os
+
+    return {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", KERNEL_ENV)}
+
+
+def test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma():
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, test_sm80_hopper as t; print('SUMMARIES', json.dumps(t.compile_summaries()))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
+                          cwd=str(__import__("pathlib").Path(__file__).parent), env=without_interpreter())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("SUMMARIES "))
+    summaries = json.loads(line[len("SUMMARIES "):])
+    assert len(summaries) == 2 * len(COMPILED)
+    for name, summary in summaries.items():
+        assert summary["warp_specialized"] and summary["setmaxnreg"] > 0, name
+        assert summary["wgmma"] > 0 and summary["mma_sync"] == 0, name
+        assert summary["tma_copies"] > 0 and summary["async_copies"] == 0, name
+        assert summary["spill_bytes"] in (0, None), name
+        assert summary["shared_bytes"] <= H200.max_shared_mem, name
+
+
+def test_codegen_report_shows_the_hopper_kernel(tmp_path):
+    """CI's codegen report compiles the Hopper kernel for the H200 rows it takes, and says so per row."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    out = tmp_path / "report.json"
+    env = without_interpreter()
+    proc = subprocess.run([sys.executable, str(root / "ci" / "codegen_report.py"), "--quick", "--hopper", "--json",
+                           str(out)], capture_output=True, text=True, timeout=900, cwd=root, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())
+    hopper = [r for r in rows if r["tile"]["kernel"] == "hopper"]
+    assert [(r["device"], r["layout"]) for r in hopper] == [("h200", "nhd")]
+    row = hopper[0]
+    assert row["warp_specialized"] and row["setmaxnreg"] > 0 and row["tma_copies"] > 0 and row["dots"] == "wgmma"
+    assert row["spill_bytes"] == 0
+    assert all(r["tile"]["kernel"] == "portable" for r in rows if r["layout"] == "split")

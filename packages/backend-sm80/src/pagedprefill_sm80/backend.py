@@ -63,6 +63,19 @@ class Sm80Backend(TritonBackend):
         launch = bind_hopper(problem, self.tile_config(shape, device), shape)
         return launch if launch is not None else self.run_again(device)
 
+    def compile_for_target(self, problem: PrefillProblem, config: TileConfig, capability: int):
+        if config.kernel != "hopper":
+            return super().compile_for_target(problem, config, capability)
+        from pagedprefill.triton.codegen import compile_call
+
+        from .hopper.kernel import hopper_prefill_kernel
+        from .hopper.launch import kernel_call
+
+        call = kernel_call(problem, config, problem_shape(problem))
+        if call is None:
+            raise ValueError("problem: has nothing to compute (no tokens, sequences or heads)")
+        return compile_call(hopper_prefill_kernel, call, capability)
+
     def search_space(self, shape: ProblemShape, device: DeviceInfo) -> list[TileConfig]:
         """Candidates ``pagedprefill tune`` measures for ``shape`` on ``device``."""
         return search_space(shape, device)

@@ -28,8 +28,6 @@ from pagedprefill.device import DeviceInfo
 from pagedprefill.tiling import ProblemShape, TileConfig, shrink_to_fit
 from pagedprefill.tuning import load_table, lookup, table_key, user_table_path
 
-from .hopper.launch import shape_unfit_reason
-
 #: Environment variable that picks the kernel on sm90: ``auto`` (the policy's choice), ``hopper`` or ``portable``.
 KERNEL_ENV = "PAGEDPREFILL_SM80_KERNEL"
 KERNEL_CHOICES = ("auto", "hopper", "portable")
@@ -81,11 +79,24 @@ def hopper_unfit_reason(shape: ProblemShape, device: DeviceInfo) -> Optional[str
     if device.capability != (9, 0):
         return f"needs compute capability 9.0 (warpgroup MMA, TMA), the device has " \
                f"{device.capability[0]}.{device.capability[1]}"
-    try:
-        import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
-    except ImportError as exc:
-        return f"is written in Gluon for Triton 3.6, which this Triton lacks ({exc})"
+    from .hopper.launch import shape_unfit_reason  # imports Triton: only when a policy decides
+
+    triton_version = _triton_version()
+    if triton_version[:2] != GLUON_TRITON:
+        # Gluon is experimental: its API moves between Triton releases.
+        return f"is written in Gluon for Triton {GLUON_TRITON[0]}.{GLUON_TRITON[1]}, this Triton is " \
+               f"{'.'.join(map(str, triton_version))}"
     return shape_unfit_reason(shape, hopper_config(shape))
+
+
+#: The Triton release whose Gluon the Hopper kernel is written and tested against.
+GLUON_TRITON = (3, 6)
+
+
+def _triton_version() -> tuple:
+    import triton
+
+    return tuple(int(part) for part in triton.__version__.split("+")[0].split(".")[:3] if part.isdigit())
 
 
 def choose_kernel(shape: ProblemShape, device: DeviceInfo) -> tuple[str, str]:

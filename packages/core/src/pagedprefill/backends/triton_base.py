@@ -80,6 +80,14 @@ class TritonBackend(Backend):
         """``"portable"``: core's Triton kernel (a subclass with kernels of its own says which runs)."""
         return "portable"
 
+    def compile_for_target(self, problem: PrefillProblem, config: TileConfig, capability: int):
+        """The kernel that would run ``problem`` with ``config``, compiled ahead of time for NVIDIA
+        ``sm_<capability>`` without a GPU (for the codegen report); a subclass with kernels of its own compiles
+        the one ``config`` names."""
+        from ..triton.codegen import compile_for_target
+
+        return compile_for_target(problem, config, capability)
+
     def check_problem(self, problem: PrefillProblem, device: DeviceInfo) -> None:
         """Refuse optional features outside :attr:`supported_features`, and a problem whose smallest tile
         cannot fit the device's shared memory."""
