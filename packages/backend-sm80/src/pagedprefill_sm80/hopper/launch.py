@@ -18,8 +18,9 @@ from pagedprefill.tiling import ProblemShape, TileConfig, launch_grid
 from pagedprefill.triton.launch import FP8_E4M3_MAX, BoundLaunch, KernelCall, _scale_arg
 from pagedprefill.types import KVLayout, PrefillProblem
 
-#: Head sizes the kernel is built for (the accumulator of a 128-row tile must fit the consumers' registers).
-HEAD_SIZES = (64, 128)
+#: Head sizes the kernel is built for (powers of two: its register tensors need them; 256 with 64-row tiles, so
+#: that the accumulator fits the consumers' registers).
+HEAD_SIZES = (64, 128, 256)
 #: TMA coordinates are 32-bit.
 MAX_ROWS = 2**31 - 1
 
