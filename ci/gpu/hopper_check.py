@@ -22,7 +22,8 @@ from pagedprefill_sm80.policy import KERNEL_ENV
 BASE = BatchSpec(query_lens=(200, 1, 77, 130), context_lens=(300, 41, 0, 1000), num_heads=32, num_kv_heads=8,
                  head_size=128, block_size=16, dtype=torch.bfloat16, layout="nhd", seed=1)
 CASES = {
-    "base": {}, "fp16": dict(dtype=torch.float16), "d64": dict(head_size=64), "d256": dict(head_size=256), "mha": dict(num_kv_heads=32),
+    "base": {}, "fp16": dict(dtype=torch.float16), "d64": dict(head_size=64), "d256": dict(head_size=256),
+    "mha": dict(num_kv_heads=32),
     "mqa": dict(num_kv_heads=1), "bs8": dict(block_size=8), "bs32": dict(block_size=32), "bs64": dict(block_size=64),
     "bs128": dict(block_size=128), "bs256": dict(block_size=256), "window": dict(sliding_window=100),
     "alibi": dict(alibi=True), "softcap": dict(softcap=20.0), "sinks": dict(sinks=True),

@@ -40,7 +40,8 @@ def shape(**changes) -> ProblemShape:
 
 def test_forced_hopper_kernel_takes_the_shapes_it_is_built_for(monkeypatch):
     monkeypatch.setenv(KERNEL_ENV, "hopper")
-    for changes in ({}, {"head_size": 64}, {"head_size": 256}, {"dtype": torch.float16}, {"block_size": 64}, {"block_size": 8},
+    for changes in ({}, {"head_size": 64}, {"head_size": 256},
+                    {"dtype": torch.float16}, {"block_size": 64}, {"block_size": 8},
                     {"num_kv_heads": 8}, {"sliding_window": 7, "alibi": True, "softcap": 5.0, "sinks": True}):
         kernel, why = choose_kernel(shape(**changes), H200)
         assert (kernel, why) == ("hopper", f"{KERNEL_ENV}=hopper"), changes
@@ -100,7 +101,8 @@ def test_tensors_a_tma_view_cannot_address_fall_back_to_the_portable_kernel(monk
 
 #: Calls compiled for sm90 by :func:`test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma`.
 COMPILED = {
-    "d128": {}, "d64": {"head_size": 64}, "d256": {"head_size": 256}, "block64": {"block_size": 64}, "block8": {"block_size": 8},
+    "d128": {}, "d64": {"head_size": 64}, "d256": {"head_size": 256},
+    "block64": {"block_size": 64}, "block8": {"block_size": 8},
     "features": {"sliding_window": 20, "alibi": True, "softcap": 10.0, "sinks": True, "fp8_out_scale": 0.5},
     "vllm-options": {"kv_in_cache": True, "causal": False, "skip_decode": True},
 }
