@@ -32,6 +32,12 @@ CASES = {
     "skip_decode": dict(skip_decode=True), "long": dict(query_lens=(1500, 700), context_lens=(2500, 3000)),
     "window_long": dict(query_lens=(1500, 700), context_lens=(2500, 3000), sliding_window=1000),
     "no_prefix": dict(context_lens=(0, 0, 0, 0)),
+    "split": dict(layout="split"), "split_d64": dict(layout="split", head_size=64),
+    "split_bs64": dict(layout="split", block_size=64), "split_window_alibi": dict(layout="split", sliding_window=100,
+                                                                                   alibi=True),
+    "split_kv_in_cache": dict(layout="split", kv_in_cache=True), "split_long": dict(layout="split",
+                                                                                    query_lens=(1500, 700),
+                                                                                    context_lens=(2500, 3000)),
 }
 
 
@@ -90,18 +96,18 @@ def timings(info, backend, reps: int, quick: bool) -> list[tuple]:
     error against the reference (computed once per workload)."""
     from pagedprefill.backends.triton_base import problem_shape
     from pagedprefill_sm80.hopper.launch import bind_hopper
-    from pagedprefill_sm80.policy import hopper_config
+    from pagedprefill_sm80.policy import hopper_config, hopper_unfit_reason
 
     ref = get_registry().get("reference")
     rows = []
     suite = default_suite()[:4] if quick else default_suite()
-    for wl in suite:
-        spec = wl.spec.replace(layout="nhd")
+    for wl, layout in [(wl, layout) for wl in suite for layout in ("nhd", "split")]:
+        spec = wl.spec.replace(layout=layout)
         problem = make_problem(spec, "cuda")
         expect = fresh_output(problem)
         ref.run(expect, info)
         f = flops(spec)
-        result = [wl.name]
+        result = [f"{wl.name} {layout}"]
         os.environ[KERNEL_ENV] = "portable"
         try:
             result.append(timed(backend.bind(problem, info), problem, expect, f, reps))
@@ -111,8 +117,8 @@ def timings(info, backend, reps: int, quick: bool) -> list[tuple]:
         fits = backend.kernel_for(problem, info)
         for _, tile, schedule in VARIANTS:
             try:
-                if spec.kv_cache_dtype != "auto" or spec.layout != "nhd" or spec.head_size not in (64, 128, 256):
-                    raise RuntimeError("not a Hopper shape")
+                if hopper_unfit_reason(shape, info) is not None:
+                    raise RuntimeError(hopper_unfit_reason(shape, info))
                 config = hopper_config(shape).with_(**tile)
                 result.append(timed(bind_hopper(problem, config, shape, schedule), problem, expect, f, reps))
             except Exception as exc:

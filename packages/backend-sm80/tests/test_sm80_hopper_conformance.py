@@ -1,10 +1,11 @@
 """The core conformance suite on the sm80 backend with its Hopper kernel forced (an sm90 GPU).
 
 Under ``PAGEDPREFILL_SM80_KERNEL=hopper`` the policy runs every call the Hopper kernel takes on it, and the
-rest on the portable kernel. The suite's cases mostly use head size 32, which the Hopper kernel is not built
-for, so here each case that keeps the suite's default head size runs with head size 128 (even seeds) or 64
-(odd seeds) instead: the same lengths, features, layouts and dtypes, on the Hopper kernel wherever those
-allow it. ``test_sm80_conformance.py`` runs the cases as written on the portable kernel.
+rest on the portable kernel. The suite's cases mostly use head size 32 and block size 8, which the Hopper
+kernel does not take, so here each case that keeps the suite's default head size runs with head size 128
+(even seeds) or 64 (odd seeds) instead, and block size 16 instead of 8: the same lengths, features, layouts
+and dtypes, on the Hopper kernel wherever those allow it. ``test_sm80_conformance.py`` runs the cases as
+written on the portable kernel.
 """
 
 import pytest
@@ -17,7 +18,10 @@ from pagedprefill_sm80.policy import KERNEL_ENV
 
 
 def hopper_head_size(spec: BatchSpec, seed: int) -> BatchSpec:
-    """``spec`` with the suite's default head size replaced by one the Hopper kernel is built for."""
+    """``spec`` with the suite's default head size and block size replaced by ones the Hopper kernel takes on
+    both layouts."""
+    if spec.block_size == BASE.block_size:
+        spec = spec.replace(block_size=16)
     if spec.head_size != BASE.head_size:
         return spec
     return spec.replace(head_size=128 if seed % 2 == 0 else 64)

@@ -23,6 +23,7 @@ The scalar helpers (tile location, masks, softcap, sinks, FP8 rounding) are core
 
 from pagedprefill.triton.blocks import (
     LOG2E,
+    aligned,
     finish_rows,
     locate_tile,
     round_to_fp8_e4m3,
@@ -33,6 +34,7 @@ from pagedprefill.triton.blocks import (
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
     fence_async_shared,
     mbarrier,
     tma,
@@ -78,36 +80,87 @@ def _key_tiles(ctx_len, q_len, tok0, tok_last, window, BLOCK_N: gl.constexpr, CA
 
 
 @gluon.jit
-def _producer(k_cache, v_cache, k_new, v_new, k_smem, v_smem, ready, empty,
-              table_row, table_width, num_blocks, kv_head, seq_row0,
+def _split_keys_async(split_keys, k_dst, table_row, table_width, num_blocks, kv_head, n0,
+                      HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, X: gl.constexpr):
+    """Copy one tile of cached keys from the split layout ``[blocks, Hkv, D / X, PAGE, X]`` into the
+    ``[BLOCK_N, D]`` tile the QK^T MMA reads, 16 bytes (one ``X`` vector) per asynchronous copy.
+
+    The split layout has no 2-D view a TMA box could take, so the producer warp copies: its lanes walk along
+    the slots of a page, where consecutive ``X`` vectors of one ``d // X`` group are contiguous.
+    ``split_keys`` is ``(K_cache, stride_block, stride_head, stride_group)``, strides multiples of ``X``.
+    """
+    K_cache, stride_kb, stride_kh, stride_kd = split_keys
+    LANES_N: gl.constexpr = 16 if BLOCK_N >= 16 else BLOCK_N
+    k_ld: gl.constexpr = gl.BlockedLayout([1, X], [LANES_N, 32 // LANES_N], [1, 1], [0, 1])
+    offs_n = gl.arange(0, BLOCK_N, gl.SliceLayout(1, k_ld))
+    offs_d = gl.arange(0, HEAD_SIZE, gl.SliceLayout(0, k_ld))
+    pos = n0 + offs_n
+    # Clamped columns and block numbers, as for TMA boxes: a corrupt table reads a wrong page, inside the cache.
+    cols = gl.maximum(gl.minimum(pos // PAGE, table_width - 1), 0)
+    pages = gl.load(table_row + cols)
+    pages = gl.where((pages >= 0) & (pages < num_blocks), pages, 0).to(gl.int64)
+    row_off = pages * aligned(stride_kb, X) + kv_head.to(gl.int64) * aligned(stride_kh, X) + (pos % PAGE) * X
+    col_off = (offs_d // X) * aligned(stride_kd, X) + offs_d % X
+    ptrs = K_cache + gl.expand_dims(row_off, 1) + gl.expand_dims(col_off, 0)
+    async_copy.async_copy_global_to_shared(k_dst, ptrs)
+
+
+@gluon.jit
+def _producer(k_cache, v_cache, k_new, v_new, v_cache_t, split_keys, k_smem, v_smem, vt_smem, ready, empty,
+              table_row, table_width, num_blocks, kv_head, seq_row0, v_rows_per_block,
               cache_start, cache_tiles, new_start, new_tiles,
-              HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Fill the ring: for each key tile, wait until its buffer is free, then issue the TMA copies of K and V
-    and let the ``ready`` barrier count their bytes."""
+              HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              SPLIT: gl.constexpr, X: gl.constexpr):
+    """Fill the ring: for each key tile, wait until its buffer is free, then issue the copies of K and V and
+    let the ``ready`` barrier count their bytes (TMA) and their completion (asynchronous copies)."""
     BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
-    TILE_BYTES: gl.constexpr = 2 * BLOCK_N * HEAD_SIZE * k_cache.dtype.primitive_bitwidth // 8
+    HALF_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * k_new.dtype.primitive_bitwidth // 8
     col = kv_head * HEAD_SIZE
     for it in range(cache_tiles + new_tiles):
         s = it % STAGES
         mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), TILE_BYTES)
         k_dst = k_smem.index(s)
-        v_dst = v_smem.index(s)
         if it < cache_tiles:
             n0 = cache_start + it * BLOCK_N
+            if SPLIT:
+                _split_keys_async(split_keys, k_dst, table_row, table_width, num_blocks, kv_head, n0, HEAD_SIZE,
+                                  PAGE, BLOCK_N, X)
+                # Arrives once this lane's copies have landed; issued before the TMA's expect, so the barrier
+                # cannot complete on the value bytes alone.
+                async_copy.mbarrier_arrive(ready.index(s))
+                mbarrier.expect(ready.index(s), HALF_BYTES)
+            else:
+                mbarrier.expect(ready.index(s), 2 * HALF_BYTES)
             for b in gl.static_range(BLOCK_N // BOX):
                 pos = n0 + b * BOX
                 # Clamped column and block number: a corrupt table reads a wrong page, never outside the cache.
                 page_col = gl.maximum(gl.minimum(pos // PAGE, table_width - 1), 0)
                 page = gl.load(table_row + page_col)
                 page = gl.where((page >= 0) & (page < num_blocks), page, 0)
-                row = page * PAGE + pos % PAGE
-                tma.async_copy_global_to_shared(k_cache, [row, col], ready.index(s), k_dst.slice(b * BOX, BOX))
-                tma.async_copy_global_to_shared(v_cache, [row, col], ready.index(s), v_dst.slice(b * BOX, BOX))
+                if SPLIT:
+                    # A page's values of one head are one [D, PAGE] block: V^T, one box per page.
+                    tma.async_copy_global_to_shared(v_cache_t, [page * v_rows_per_block + col, pos % PAGE],
+                                                    ready.index(s), vt_smem.index(s).slice(b * BOX, BOX, dim=1))
+                else:
+                    row = page * PAGE + pos % PAGE
+                    tma.async_copy_global_to_shared(k_cache, [row, col], ready.index(s), k_dst.slice(b * BOX, BOX))
+                    tma.async_copy_global_to_shared(v_cache, [row, col], ready.index(s),
+                                                    v_smem.index(s).slice(b * BOX, BOX))
         else:
+            mbarrier.expect(ready.index(s), 2 * HALF_BYTES)
             row = seq_row0 + new_start + (it - cache_tiles) * BLOCK_N
             tma.async_copy_global_to_shared(k_new, [row, col], ready.index(s), k_dst)
-            tma.async_copy_global_to_shared(v_new, [row, col], ready.index(s), v_dst)
+            tma.async_copy_global_to_shared(v_new, [row, col], ready.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def _wait_tile(ready, it, from_cache, SPLIT: gl.constexpr, STAGES: gl.constexpr = 1):
+    """Wait until key tile ``it`` has landed in its buffer. Keys the producer wrote with asynchronous copies
+    (split-layout cache tiles) are ordinary shared-memory writes: fenced before the MMA's reads."""
+    mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
+    if SPLIT:
+        if from_cache:
+            fence_async_shared()
 
 
 @gluon.jit
@@ -153,7 +206,7 @@ def _softmax_tile(scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, k
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, ready, empty, Out, out_scale_ptr, alibi_slopes, sinks,
+def _consumer(q_smem, k_smem, v_smem, vt_smem, ready, empty, Out, out_scale_ptr, alibi_slopes, sinks,
               head, row_ok, q_pos, out_rows,
               ctx_len, q_len, window, softcap, qk_scale, out_scale, stride_ot, stride_oh,
               cache_start, cache_tiles, new_start, new_tiles, pos_first, full_from,
@@ -161,7 +214,7 @@ def _consumer(q_smem, k_smem, v_smem, ready, empty, Out, out_scale_ptr, alibi_sl
               NUM_WARPS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
               ALIBI: gl.constexpr, SINKS: gl.constexpr, NEW_KV_IN_CACHE: gl.constexpr,
               OUT_SCALE: gl.constexpr, OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr,
-              OVERLAP: gl.constexpr):
+              OVERLAP: gl.constexpr, SPLIT: gl.constexpr):
     """Consume the ring: scores, online softmax and ``P V`` per key tile; then normalise and store."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -192,14 +245,14 @@ def _consumer(q_smem, k_smem, v_smem, ready, empty, Out, out_scale_ptr, alibi_sl
         # The last iteration issues a spare product on its own (still held) buffer instead of a conditional one.
         scores = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         if total > 0:
-            mbarrier.wait(ready.index(0), 0)
+            _wait_tile(ready, 0, 0 < cache_tiles, SPLIT)
             scores = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), scores, use_acc=False)
         for it in range(total):
             s = it % STAGES
             has_next = it + 1 < total
             s_next = gl.where(has_next, (it + 1) % STAGES, s)
             if has_next:
-                mbarrier.wait(ready.index(s_next), ((it + 1) // STAGES) & 1)
+                _wait_tile(ready, it + 1, it + 1 < cache_tiles, SPLIT, STAGES)
             next_token = warpgroup_mma(q_smem, k_smem.index(s_next).permute((1, 0)),
                                        gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False,
                                        is_async=True)
@@ -208,15 +261,23 @@ def _consumer(q_smem, k_smem, v_smem, ready, empty, Out, out_scale_ptr, alibi_sl
                 cache_start, cache_tiles, new_start, pos_first, full_from, p_layout, q_smem.dtype, BLOCK_N, CAUSAL,
                 WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            acc_token = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
-            scores, acc = warpgroup_mma_wait(0, deps=[next_token, acc_token])
+            if SPLIT:
+                # Cached values arrive transposed (V^T pages) in their own ring, new tokens' values as rows.
+                if it < cache_tiles:
+                    acc = warpgroup_mma(p_op, vt_smem.index(s).permute((1, 0)), acc)
+                else:
+                    acc = warpgroup_mma(p_op, v_smem.index(s), acc)
+                scores = warpgroup_mma_wait(0, deps=[next_token])
+            else:
+                acc_token = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
+                scores, acc = warpgroup_mma_wait(0, deps=[next_token, acc_token])
             # Every consumer warp is past its MMAs before the buffer is handed back to the producer.
             gl.thread_barrier()
             mbarrier.arrive(empty.index(s), count=1)
     else:
         for it in range(total):
             s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            _wait_tile(ready, it, it < cache_tiles, SPLIT, STAGES)
             scores = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)),
                                    gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False)
             p_op, alpha, m_i, l_i = _softmax_tile(
@@ -224,7 +285,10 @@ def _consumer(q_smem, k_smem, v_smem, ready, empty, Out, out_scale_ptr, alibi_sl
                 cache_start, cache_tiles, new_start, pos_first, full_from, p_layout, q_smem.dtype, BLOCK_N, CAUSAL,
                 WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            acc = warpgroup_mma(p_op, v_smem.index(s), acc)
+            if SPLIT and it < cache_tiles:
+                acc = warpgroup_mma(p_op, vt_smem.index(s).permute((1, 0)), acc)
+            else:
+                acc = warpgroup_mma(p_op, v_smem.index(s), acc)
             gl.thread_barrier()
             mbarrier.arrive(empty.index(s), count=1)
 
@@ -250,21 +314,26 @@ def _consumer(q_smem, k_smem, v_smem, ready, empty, Out, out_scale_ptr, alibi_sl
 
 @gluon.jit
 def hopper_prefill_kernel(
-    Q, Out, k_cache, v_cache, k_new, v_new, block_table, query_start, seq_lens, ctx_lens, alibi_slopes, sinks,
-    out_scale_ptr,
+    Q, Out, k_cache, v_cache, k_new, v_new, v_cache_t, K_cache, block_table, query_start, seq_lens, ctx_lens,
+    alibi_slopes, sinks, out_scale_ptr,
     qk_scale, out_scale, softcap, window, num_seqs, num_tokens, num_blocks, table_width, group_size,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table_seq,
+    stride_kb, stride_kh, stride_kd, v_rows_per_block,
     HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEADS_PER_TILE: gl.constexpr, HEAD_CHUNKS: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
     CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
     SKIP_DECODE: gl.constexpr, NEW_KV_IN_CACHE: gl.constexpr, OUT_SCALE: gl.constexpr,
     OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr, OVERLAP: gl.constexpr, HEAVY_FIRST: gl.constexpr,
+    SPLIT: gl.constexpr, X: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """Prefix-prefill attention of one query tile on sm90 (see the module docstring).
 
-    ``k_cache``/``v_cache`` are TMA descriptors over the NHD cache viewed as ``[blocks * PAGE, Hkv * D]``;
-    ``k_new``/``v_new`` over the new tokens' K/V viewed as ``[T, Hkv * D]`` (the cache again when
-    ``NEW_KV_IN_CACHE``: then unused). ``qk_scale`` has ``log2(e)`` folded in unless ``SOFTCAP``.
+    NHD cache: ``k_cache``/``v_cache`` are TMA descriptors over the cache viewed as ``[blocks * PAGE, Hkv * D]``.
+    Split cache (``SPLIT``): ``K_cache`` is the key cache itself with its block, head and ``d // X`` strides,
+    copied 16 bytes at a time, and ``v_cache_t`` a TMA descriptor over the value cache viewed as
+    ``[blocks * Hkv * D, PAGE]`` (``v_rows_per_block = Hkv * D`` rows per block). ``k_new``/``v_new`` are
+    descriptors over the new tokens' K/V viewed as ``[T, Hkv * D]``. Arguments a layout or feature does not
+    use are placeholders. ``qk_scale`` has ``log2(e)`` folded in unless ``SOFTCAP``.
     """
     TOKENS_PER_TILE: gl.constexpr = BLOCK_M // HEADS_PER_TILE
     tile = gl.program_id(0)
@@ -314,6 +383,12 @@ def hopper_prefill_kernel(
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_SIZE], dtype)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_SIZE], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_SIZE], kv_layout)
+    if SPLIT:
+        # Cached values as V^T pages: [D, BLOCK_N], each page a column block of the box's swizzle width.
+        vt_layout: gl.constexpr = v_cache_t.layout
+        vt_smem = gl.allocate_shared_memory(dtype, [STAGES, HEAD_SIZE, BLOCK_N], vt_layout)
+    else:
+        vt_smem = v_smem
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -323,12 +398,13 @@ def hopper_prefill_kernel(
     table_row = block_table + seq.to(gl.int64) * stride_table_seq
 
     gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, ready, empty, Out, out_scale_ptr, alibi_slopes, sinks,
+        (_consumer, (q_smem, k_smem, v_smem, vt_smem, ready, empty, Out, out_scale_ptr, alibi_slopes, sinks,
                      head, row_ok, q_pos, q_rows, ctx_len, q_len, window, softcap, qk_scale, out_scale,
                      stride_ot, stride_oh, cache_start, cache_tiles, new_start, new_tiles, ctx_len + tok0, full_from,
                      HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES, NUM_WARPS, CAUSAL, WINDOW, SOFTCAP, ALIBI, SINKS,
-                     NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, OVERLAP)),
-        (_producer, (k_cache, v_cache, k_new, v_new, k_smem, v_smem, ready, empty, table_row, table_width,
-                     num_blocks, kv_head, seq_row0, cache_start, cache_tiles, new_start, new_tiles,
-                     HEAD_SIZE, PAGE, BLOCK_N, STAGES)),
-    ], [1], [24])
+                     NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, OVERLAP, SPLIT)),
+        (_producer, (k_cache, v_cache, k_new, v_new, v_cache_t, (K_cache, stride_kb, stride_kh, stride_kd), k_smem,
+                     v_smem, vt_smem, ready, empty, table_row, table_width, num_blocks, kv_head, seq_row0,
+                     v_rows_per_block, cache_start, cache_tiles, new_start, new_tiles,
+                     HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X)),
+    ], [1], [PRODUCER_REGS])

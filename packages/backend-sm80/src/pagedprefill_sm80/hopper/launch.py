@@ -31,13 +31,18 @@ def shape_unfit_reason(shape: ProblemShape, config: TileConfig) -> Optional[str]
         return f"needs float16 or bfloat16 inputs, not {shape.dtype}"
     if shape.kv_cache_dtype != "auto":
         return f"reads the cache in the input dtype only, not {shape.kv_cache_dtype!r}"
-    if shape.layout != "nhd":
-        return f"reads the NHD cache layout only, not {shape.layout!r}"
+    if shape.layout not in ("nhd", "split"):
+        return f"reads the NHD and split cache layouts, not {shape.layout!r}"
     if shape.head_size not in HEAD_SIZES:
         return f"is built for head sizes {HEAD_SIZES}, not {shape.head_size}"
+    if shape.layout == "split" and shape.head_size > 128:
+        return f"reads the split layout for head sizes up to 128 (its value ring takes shared memory), not " \
+               f"{shape.head_size}"
     page, block_n = shape.block_size, config.block_n
-    if page < 8 or page & (page - 1) or not (block_n % page == 0 or page % block_n == 0):
-        return f"needs a power-of-two block size >= 8 that divides or is a multiple of block_n={block_n}, not {page}"
+    smallest = 16 if shape.layout == "split" else 8  # a V^T page box is at least one 32-byte swizzle atom wide
+    if page < smallest or page & (page - 1) or not (block_n % page == 0 or page % block_n == 0):
+        return f"needs a power-of-two block size >= {smallest} that divides or is a multiple of " \
+               f"block_n={block_n}, not {page}"
     if config.block_m != 16 * config.num_warps:
         return f"needs block_m = 16 x num_warps (one MMA row band per warp), not {config.block_m} with " \
                f"{config.num_warps} warps"
@@ -63,14 +68,26 @@ def _tma_2d(t: torch.Tensor, rows_dim: int, cols_dims: tuple[int, ...]) -> Optio
     return rows, row_stride
 
 
+def _split_keys_fit(key: torch.Tensor) -> bool:
+    """Whether split-layout keys ``[blocks, Hkv, D / x, block, x]`` can be copied 16 bytes at a time: ``x``
+    fills 16 bytes, contiguous, and every other stride and the base keep that alignment."""
+    x = key.shape[4]
+    return (x * key.element_size() == 16 and key.stride(4) == 1 and key.stride(3) == x
+            and all(key.stride(d) % x == 0 for d in range(3)) and key.data_ptr() % 16 == 0)
+
+
 def unfit_reason(problem: PrefillProblem, config: TileConfig) -> Optional[str]:
     """Why the Hopper kernel cannot take ``problem`` (tensor strides and alignment), or None when it can."""
     c = problem.cache
-    if c.layout is not KVLayout.NHD:
-        return "reads the NHD cache layout only"
-    for name, t in (("key_cache", c.key), ("value_cache", c.value)):
-        if _tma_2d(t, 1, (2, 3)) is None:
-            return f"{name}: needs [blocks, slots] rows of contiguous heads, 16-byte aligned"
+    if c.layout is KVLayout.SPLIT:
+        if not _split_keys_fit(c.key):
+            return "key_cache: needs x = 16 bytes of elements, contiguous, and 16-byte aligned strides"
+        if _tma_2d(c.value, 2, (3,)) is None:
+            return "value_cache: needs each page's [head, d] rows of slots contiguous, 16-byte aligned"
+    else:
+        for name, t in (("key_cache", c.key), ("value_cache", c.value)):
+            if _tma_2d(t, 1, (2, 3)) is None:
+                return f"{name}: needs [blocks, slots] rows of contiguous heads, 16-byte aligned"
     if problem.k is not None:
         for name, t in (("k", problem.k), ("v", problem.v)):
             if _tma_2d(t, 0, (1, 2)) is None:
@@ -81,33 +98,46 @@ def unfit_reason(problem: PrefillProblem, config: TileConfig) -> Optional[str]:
     return None
 
 
-def _descriptor(t: torch.Tensor, rows_dim: int, cols_dims: tuple[int, ...], box_rows: int, head_size: int):
+def _descriptor(t: torch.Tensor, rows_dim: int, cols_dims: tuple[int, ...], box: list[int], swizzle=None):
+    """A TMA descriptor over ``t`` seen as a 2-D matrix (:func:`_tma_2d`), copying ``box`` at a time into
+    the shared layout of that box (or one of ``swizzle`` bytes)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     rows, row_stride = _tma_2d(t, rows_dim, cols_dims)
     cols = math.prod(t.shape[d] for d in cols_dims)
     dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([box_rows, head_size], dtype)
-    return TensorDescriptor(t, [rows, cols], [row_stride, 1], [box_rows, head_size], layout)
+    if swizzle is None:
+        layout = gl.NVMMASharedLayout.get_default_for(box, dtype)
+    else:
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=16, rank=2)
+    return TensorDescriptor(t, [rows, cols], [row_stride, 1], box, layout)
 
 
 def call_tensors(p: PrefillProblem, config: TileConfig) -> tuple:
-    """The kernel's tensor arguments (TMA descriptors for K/V) in signature order."""
+    """The kernel's tensor arguments (TMA descriptors for K/V) in signature order; placeholders (an
+    argument of the same kind that the kernel does not read) where a layout or feature does not use one."""
     c, o, b = p.cache, p.options, p.batch
     D = p.head_size
     box = min(c.block_size, config.block_n)
-    k_cache = _descriptor(c.key, 1, (2, 3), box, D)
-    v_cache = _descriptor(c.value, 1, (2, 3), box, D)
+    if c.layout is KVLayout.SPLIT:
+        # [blocks, Hkv, D, block]: rows of slots; a page of one head is D consecutive rows.
+        v_cache_t = _descriptor(c.value, 2, (3,), [D, box], swizzle=min(128, box * c.value.element_size()))
+        k_cache = v_cache = v_cache_t
+        keys = c.key
+    else:
+        k_cache = _descriptor(c.key, 1, (2, 3), [box, D])
+        v_cache = _descriptor(c.value, 1, (2, 3), [box, D])
+        v_cache_t, keys = v_cache, p.q
     if p.k is None:
         k_new, v_new = k_cache, v_cache  # unused: the new tokens' K/V are read from the cache
     else:
-        k_new = _descriptor(p.k, 0, (1, 2), config.block_n, D)
-        v_new = _descriptor(p.v, 0, (1, 2), config.block_n, D)
+        k_new = _descriptor(p.k, 0, (1, 2), [config.block_n, D])
+        v_new = _descriptor(p.v, 0, (1, 2), [config.block_n, D])
     q = p.q
     out_scale = o.fp8_out_scale
-    return (q, p.out, k_cache, v_cache, k_new, v_new, b.block_table, b.query_start, b.seq_lens, b.context_lens,
-            q if o.alibi_slopes is None else o.alibi_slopes, q if o.sinks is None else o.sinks,
+    return (q, p.out, k_cache, v_cache, k_new, v_new, v_cache_t, keys, b.block_table, b.query_start, b.seq_lens,
+            b.context_lens, q if o.alibi_slopes is None else o.alibi_slopes, q if o.sinks is None else o.sinks,
             out_scale if isinstance(out_scale, torch.Tensor) else q)
 
 
@@ -132,9 +162,12 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
     qk_scale = p.sm_scale if softcap > 0 else p.sm_scale * 1.4426950408889634
     out_scale_value, out_from_ptr = _scale_arg(opts.fp8_out_scale, True)
     table = p.batch.block_table
+    split = p.cache.layout is KVLayout.SPLIT
+    key = p.cache.key
+    split_strides = (key.stride(0), key.stride(1), key.stride(2)) if split else (0, 0, 0)
     scalars = (qk_scale, out_scale_value, softcap, opts.sliding_window or 0, B, T, p.cache.num_blocks,
                table.shape[1], group, p.q.stride(0), p.q.stride(1), p.out.stride(0), p.out.stride(1),
-               table.stride(0))
+               table.stride(0), *split_strides, p.num_kv_heads * D)
     constexprs = dict(
         HEAD_SIZE=D, PAGE=p.cache.block_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         HEADS_PER_TILE=config.heads_per_tile, HEAD_CHUNKS=triton.cdiv(group, config.heads_per_tile),
@@ -143,6 +176,9 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
         SINKS=opts.sinks is not None, SKIP_DECODE=opts.skip_decode, NEW_KV_IN_CACHE=p.k is None,
         OUT_SCALE=opts.fp8_out_scale is not None, OUT_SCALE_PTR=out_from_ptr, OUT_MAX=FP8_E4M3_MAX,
         **(SCHEDULE if schedule is None else schedule),
+        SPLIT=split, X=key.shape[4] if split else 8,
+        # The producer warp of the split layout holds a tile of 16-byte copy addresses.
+        PRODUCER_REGS=96 if split and config.num_warps == 8 else 24,
     )
     return KernelCall(launch_grid(shape, config), call_tensors(p, config), scalars, constexprs,
                       dict(num_warps=config.num_warps))
