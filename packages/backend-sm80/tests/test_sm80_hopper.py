@@ -178,3 +178,18 @@ def test_codegen_report_shows_the_hopper_kernel(tmp_path):
         assert row["warp_specialized"] and row["setmaxnreg"] > 0 and row["tma_copies"] > 0, row
         assert row["dots"] == "wgmma" and row["spill_bytes"] == 0, row
     assert all(r["tile"]["kernel"] == "portable" for r in rows if r["device"] == "a100")
+
+
+def test_info_shows_each_routes_kernel_and_reason():
+    import subprocess
+    import sys
+
+    env = {**without_interpreter(), KERNEL_ENV: "hopper"}
+    proc = subprocess.run([sys.executable, "-m", "pagedprefill", "info", "--describe", "h200"], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    routes = [line.split() for line in lines if line.startswith("  ") and ("hopper" in line or "portable" in line)]
+    assert any(r[:4] == ["prefix-cached", "8x(1024+7168)", "nhd", "hopper"] for r in routes), proc.stdout
+    fp8 = [line for line in lines if line.lstrip().startswith("FP8 e4m3 KV")]
+    assert fp8 and all("portable" in line and "fp8_e4m3" in line for line in fp8), proc.stdout

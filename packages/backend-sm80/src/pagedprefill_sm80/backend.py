@@ -9,7 +9,7 @@ from pagedprefill.tiling import ProblemShape, TileConfig
 from pagedprefill.tuning import tables_state
 from pagedprefill.types import PrefillProblem
 
-from .policy import kernel_preference, search_space, sm80_policy
+from .policy import choose_kernel, kernel_preference, search_space, sm80_policy
 
 MIN_CAPABILITY = (8, 0)
 
@@ -35,6 +35,9 @@ class Sm80Backend(TritonBackend):
     def tile_config(self, shape: ProblemShape, device: DeviceInfo) -> TileConfig:
         """The policy's tile, remembered per shape, device, tuned tables and kernel preference."""
         return self._policy_memo(shape, device, (tables_state(), kernel_preference()))
+
+    def kernel_choice(self, shape: ProblemShape, device: DeviceInfo) -> tuple[str, str]:
+        return choose_kernel(shape, device)
 
     def kernel_for(self, problem: PrefillProblem, device: DeviceInfo) -> str:
         """The kernel that runs ``problem``: the policy's choice, or the portable kernel when the Hopper

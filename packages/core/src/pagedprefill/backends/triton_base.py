@@ -80,6 +80,9 @@ class TritonBackend(Backend):
         """``"portable"``: core's Triton kernel (a subclass with kernels of its own says which runs)."""
         return "portable"
 
+    def kernel_choice(self, shape: ProblemShape, device: DeviceInfo) -> tuple[str, str]:
+        return "portable", "core's Triton kernel"
+
     def compile_for_target(self, problem: PrefillProblem, config: TileConfig, capability: int):
         """The kernel that would run ``problem`` with ``config``, compiled ahead of time for NVIDIA
         ``sm_<capability>`` without a GPU (for the codegen report); a subclass with kernels of its own compiles

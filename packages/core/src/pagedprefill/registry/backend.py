@@ -71,6 +71,11 @@ class Backend:
         several kernels says which one its policy picked; by default the backend's own name)."""
         return self.name
 
+    def kernel_choice(self, shape: ProblemShape, device: DeviceInfo) -> tuple[str, str]:
+        """``(kernel, why)``: the kernel this backend's policy picks for calls of ``shape`` on ``device`` and the
+        reason, for ``pagedprefill info`` (by default the backend's own name and no reason)."""
+        return self.name, ""
+
     def tile_config(self, shape: ProblemShape, device: DeviceInfo) -> Optional[TileConfig]:
         """The tile this backend would use for ``shape`` on ``device`` (None if it does not tile)."""
         return self.policy(shape, device) if self.policy is not None else None
