@@ -5,11 +5,16 @@ head) pairs, ``HEADS_PER_TILE`` heads of one KV group packed together), with the
 
 * a **producer** warp with few registers reads the block table and brings each key tile's K and V into a
   ring of ``STAGES`` shared-memory buffers with the tensor-memory accelerator (TMA): one box per cache
-  page (or one per tile when a page holds several tiles), one box per tile of new tokens. Each buffer has
-  a ``ready`` barrier (the copies' bytes have landed) and an ``empty`` barrier (the consumers are done);
+  page (or one per tile when a page holds several tiles), one box per tile of new tokens. In the split
+  layout the cached keys come by 16-byte asynchronous copies instead (no TMA view fits their
+  ``[D / x, block, x]`` pages) and the cached values as V^T pages (``[D, block]``) into a ring of their
+  own. Each buffer has a ``ready`` barrier (the copies have landed) and an ``empty`` barrier (the
+  consumers are done);
 * the **consumer** warpgroups run ``S = Q K^T`` and ``O += P V`` as warpgroup MMAs straight from shared
   memory and the online softmax in registers, never waiting for a load the producer could have issued
-  earlier, and with no CTA-wide barrier in the key loop.
+  earlier, and with no CTA-wide barrier in the key loop. With ``OVERLAP`` the next tile's ``Q K^T`` is
+  issued before this tile's softmax, so the tensor cores work through it; with ``HEAVY_FIRST`` each
+  sequence's last query tiles (the most keys under a causal mask) are scheduled first.
 
 Both roles walk the same schedule (:func:`_key_tiles`): the cached prefix from the first tile the window
 reaches, then the new tokens up to the causal diagonal. Every TMA box is bounds-checked by the hardware
