@@ -6,7 +6,10 @@
 #   conformance  the conformance suites of all three backends (bi100's policy forced: it runs on any GPU),
 #                in parallel workers;
 #   fuzz=N       N random cases against the reference on the selected backend;
-#   bench        `pagedprefill bench` on both layouts with the same-run peers, host overhead and a chart.
+#   bench        `pagedprefill bench` on both layouts with the same-run peers, host overhead and a chart;
+#   hopper       ci/gpu/hopper_check.py: sm80's Hopper kernel against the reference on a spread of cases, and
+#                its schedule variants timed against the portable kernel (sm90 only);
+#   hopper-conformance  sm80's conformance suite with the Hopper kernel forced (sm90 only), a short sweep.
 # Usage: ci/gpu/verify.sh OUTDIR [step ...]   (default: core-gpu conformance fuzz=2000 bench)
 # STEP_TIMEOUT bounds each test step (seconds, default 600); COMMIT names the commit the bench records.
 set -u
@@ -39,7 +42,16 @@ for step in ${*:-core-gpu conformance fuzz=2000 bench}; do
       python3 -m pagedprefill bench --layout both --no-reference --reps 100 \
         --commit "${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" --json "$out/bench.json" --png "$out/bench.png" \
         2>"$out/bench.log" | tee "$out/bench.txt" || rc=1 ;;
-    *) echo "unknown step $step (core-gpu, conformance, fuzz=N, bench)"; rc=2 ;;
+    hopper)
+      timeout "$limit" python3 ci/gpu/hopper_check.py --quick --reps 60 >"$out/hopper_check.log" 2>&1 || rc=1
+      sed -n '/^correctness/,$p' "$out/hopper_check.log" ;;
+    hopper-conformance)
+      workers=$(( $(nproc) > 4 ? $(nproc) - 4 : 1 ))
+      timeout "$limit" python3 -m pytest -q -rfs -p no:cacheprovider -p no:benchmark -n "$workers" \
+        packages/backend-sm80/tests/test_sm80_hopper_conformance.py --pagedprefill-device=cuda \
+        --pagedprefill-sweep="${SWEEP:-16}" >"$out/hopper-conformance.log" 2>&1 || rc=1
+      grep -E "^(FAILED|ERROR)|passed|failed" "$out/hopper-conformance.log" | tail -n 30 ;;
+    *) echo "unknown step $step (core-gpu, conformance, fuzz=N, bench, hopper, hopper-conformance)"; rc=2 ;;
   esac
 done
 exit $rc
