@@ -207,7 +207,7 @@ import sys
 
 
 class _HideNumpy:
-    """Import hook: numpy is absent, as after `pip install ./packages/core` (the reference-only install)."""
+    """Import hook: numpy is absent, as in an environment installed with `pip install --no-deps`."""
 
     def find_spec(self, name, path=None, target=None):
         if name == "numpy" or name.startswith("numpy."):
@@ -235,7 +235,7 @@ def without_numpy(tmp_path_factory) -> dict:
                          ids=["import", "info"])
 def test_no_numpy_warning_without_numpy(without_numpy, args):
     """Without numpy, importing pagedprefill and running the command print no NumPy warning, even with every
-    UserWarning shown (the reference-only install needs no numpy)."""
+    UserWarning shown (the reference backend needs no numpy)."""
     control = subprocess.run([sys.executable, "-W", "always::UserWarning", "-c", "import torch"],
                              capture_output=True, text=True, env=without_numpy, timeout=TIMEOUT)
     if "Failed to initialize NumPy" not in control.stderr:
