@@ -80,3 +80,23 @@ def test_options_table_check_catches_a_wrong_cell():
     problems = _check_docs().check_options_table({"generic": FEATURES - {"skip_decode"}}, FEATURES)
     assert problems == ["README.md options table: generic / skip_decode says 'yes', but "
                         "generic.supported_features lacks it"]
+
+
+#: Where the backend guide describes each tiling type: from the first text to the second.
+FIELD_PARAGRAPHS = {"ProblemShape": ("`ProblemShape` (`pagedprefill.tiling`) carries", "`TileConfig` has"),
+                    "TileConfig": ("`TileConfig` has", "End every policy")}
+
+
+@pytest.mark.parametrize("cls", sorted(FIELD_PARAGRAPHS))
+def test_guide_lists_every_field(cls):
+    """The backend guide's paragraph on a tiling type names each of its fields."""
+    import dataclasses
+
+    from pagedprefill import tiling
+
+    text = " ".join(GUIDE.read_text().split())
+    begin, end = FIELD_PARAGRAPHS[cls]
+    paragraph = text[text.index(begin):]
+    paragraph = paragraph[:paragraph.index(end)]
+    missing = [f.name for f in dataclasses.fields(getattr(tiling, cls)) if f"`{f.name}`" not in paragraph]
+    assert not missing, f"docs/writing-a-backend.md does not describe {cls} fields {missing}"
