@@ -5,7 +5,9 @@ installs. pip's resolver runs with ``--dry-run`` under ``ci/constraints-cpu.txt`
 only: every pip configuration file and every ``PIP_*`` variable that names an index, a wheel folder or a
 constraint is set aside, so that a machine's local wheels (a CPU build of torch, say) cannot hide a pin the
 public index cannot satisfy. Only metadata is fetched: the index's metadata files where it serves them, else
-byte ranges of the wheels (pip's ``fast-deps``), never whole wheels.
+byte ranges of the wheels (pip's ``fast-deps``). A pip without ``fast-deps`` on an index without metadata
+files would download whole wheels (gigabytes for torch's CUDA stack); the pip of Python 3.10 to 3.12's venv
+has the feature.
 
 The resolution must give the GPU machines' tested pair (:data:`TESTED_PAIR`): the public index has no CPU
 build of torch for Linux, so its torch is the CUDA build, and that build's Triton requirement must be the
