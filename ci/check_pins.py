@@ -6,8 +6,8 @@ only: every pip configuration file and every ``PIP_*`` variable that names an in
 constraint is set aside, so that a machine's local wheels (a CPU build of torch, say) cannot hide a pin the
 public index cannot satisfy. Only metadata is fetched: the index's metadata files where it serves them, else
 byte ranges of the wheels (pip's ``fast-deps``). A pip without ``fast-deps`` on an index without metadata
-files would download whole wheels (gigabytes for torch's CUDA stack); the pip of Python 3.10 to 3.12's venv
-has the feature.
+files would download whole wheels (gigabytes for torch's CUDA stack); pip 23.2, the one CI's venvs get, has
+the feature.
 
 The resolution must give the GPU machines' tested pair (:data:`TESTED_PAIR`): the public index has no CPU
 build of torch for Linux, so its torch is the CUDA build, and that build's Triton requirement must be the
