@@ -23,6 +23,10 @@ BACKENDS = {
     "bi100": "packages/backend-bi100",
 }
 
+#: PyTorch's index of CPU builds: the CPU sessions (tests, docs) add it where it answers, so that they install
+#: a CPU build of torch (a few hundred MB) rather than the public index's CUDA build (gigabytes).
+CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+
 nox.options.sessions = ["lint", "tests", "demo", "docs"]
 nox.options.default_venv_backend = "venv"
 
@@ -31,16 +35,35 @@ def _no_venv(session: nox.Session) -> bool:
     return session.venv_backend == "none"
 
 
-def install(session: nox.Session, *packages: str, extras: str = "") -> None:
-    """Install the project's packages (editable); pinned CPU deps in a venv, nothing fetched without one."""
-    paths = [p for p in packages if (ROOT / p).exists()]
+def _unreachable(url: str, timeout: float = 5.0) -> str:
+    """Why ``url`` does not answer, or "" when it does."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout):
+            return ""
+    except OSError as error:  # URLError, timeouts, refused connections
+        return str(getattr(error, "reason", error))
+
+
+def install(session: nox.Session, *packages: str, extras: str = "", cpu_torch: bool = False) -> None:
+    """Install the project's packages (editable, each once); pinned deps in a venv (with ``cpu_torch``, a
+    CPU build of torch where PyTorch's CPU index answers), nothing fetched without one."""
+    paths = [p for p in dict.fromkeys(packages) if (ROOT / p).exists()]
     if _no_venv(session):
         session.run("python", "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                     *[a for p in paths for a in ("-e", p)], external=True)
         return
     core = f"{CORE}[{extras}]" if extras else CORE
     targets = [core if p == CORE else p for p in paths]
-    session.install("-c", str(CONSTRAINTS), *[a for p in targets for a in ("-e", p)])
+    index = []
+    if cpu_torch:
+        why = _unreachable(f"{CPU_TORCH_INDEX}/torch/")
+        if why:
+            session.log(f"{CPU_TORCH_INDEX} does not answer ({why}): torch comes from the configured indexes")
+        else:
+            index = ["--extra-index-url", CPU_TORCH_INDEX]
+    session.install(*index, "-c", str(CONSTRAINTS), *[a for p in targets for a in ("-e", p)])
 
 
 def pytest_args(session: nox.Session) -> list[str]:
@@ -50,7 +73,11 @@ def pytest_args(session: nox.Session) -> list[str]:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Every package's tests on the CPU; Triton kernels under TRITON_INTERPRET=1."""
-    install(session, CORE, *BACKENDS.values(), extras="triton,test")
+    if not _no_venv(session):
+        # The same requirements, resolved against the public index alone (metadata only): the pins must hold
+        # for a user without this machine's local wheels. Skips with the reason when the index is unreachable.
+        session.run("python", "ci/check_pins.py", f"{CORE}[triton,test]", *BACKENDS.values())
+    install(session, CORE, *BACKENDS.values(), extras="triton,test", cpu_torch=True)
     session.run("pytest", *pytest_args(session), f"{CORE}/tests")
     for path in BACKENDS.values():
         if (ROOT / path / "tests").exists():
@@ -81,7 +108,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def docs(session: nox.Session) -> None:
     """Check the docs: relative links resolve and the README's Python examples run (CPU, reference)."""
-    install(session, CORE)
+    install(session, CORE, cpu_torch=True)
     session.run("python", "ci/check_docs.py")
 
 
@@ -91,7 +118,8 @@ def _hardware_session(session: nox.Session, target: str) -> None:
     verdict = session.run("python", "ci/detect_target.py", target, silent=True, success_codes=[0, 3]) or ""
     session.log(verdict.strip())
     if verdict.startswith("absent") and not forced:
-        session.skip(f"{target} hardware not present: {verdict.strip()}; set PAGEDPREFILL_FORCE_TARGET=1 to run "
+        reason = verdict.strip().removeprefix("absent:").strip()
+        session.skip(f"{target} hardware not present: {reason}; set PAGEDPREFILL_FORCE_TARGET=1 to run "
                      "its kernels with its policy forced on another GPU")
     session.run("pagedprefill", "info")
     session.run("pytest", *pytest_args(session), f"{BACKENDS[target]}/tests", "--pagedprefill-device=cuda")

@@ -1,5 +1,6 @@
-"""Check the documentation: every relative link in README.md and docs/ resolves, and the README's Python
-examples run (on the CPU, with whatever backend is selected). Exit status 1 on any failure."""
+"""Check the documentation: every relative link in README.md and docs/ resolves, the README's Python
+examples run (on the CPU, with whatever backend is selected), and the README's options table says of each
+installed backend what its ``supported_features`` say. Exit status 1 on any failure."""
 
 import re
 import sys
@@ -35,8 +36,54 @@ def run_readme_examples() -> list[str]:
     return problems
 
 
+def options_table(text: str) -> tuple[list[str], dict[str, dict[str, str]]]:
+    """The README's options table: its backend columns, and ``{feature name: {backend: cell}}`` for each row
+    that names a feature."""
+    lines = text[text.index("Options and which backends run them"):].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| option |"))
+    header = [cell.strip() for cell in lines[start].strip("|").split("|")]
+    backends = header[2:]
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if cells[1]:
+            rows[cells[1].strip("`")] = dict(zip(backends, cells[2:]))
+    return backends, rows
+
+
+def check_options_table(supported: dict[str, frozenset], features: frozenset) -> list[str]:
+    """Compare the README's options table with ``supported`` (backend name -> its ``supported_features``):
+    a cell says "yes" exactly when the backend computes that feature; every feature has a row."""
+    backends, rows = options_table((ROOT / "README.md").read_text())
+    problems = [f"README.md options table: no row for feature {f!r}" for f in sorted(features - rows.keys())]
+    problems += [f"README.md options table: row {f!r} is not a feature" for f in sorted(rows.keys() - features)]
+    for name, computed in supported.items():
+        if name not in backends:
+            problems.append(f"README.md options table: no column for backend {name!r}")
+            continue
+        for feature, cells in rows.items():
+            says = cells[name].startswith("yes")
+            if says != (feature in computed):
+                problems.append(f"README.md options table: {name} / {feature} says {cells[name]!r}, but "
+                                f"{name}.supported_features {'has' if feature in computed else 'lacks'} it")
+    return problems
+
+
+def installed_features() -> dict[str, frozenset]:
+    """``supported_features`` of every backend installed here."""
+    import pagedprefill
+
+    return {b.name: frozenset(getattr(b, "supported_features", ())) for b in pagedprefill.get_registry().backends()}
+
+
 if __name__ == "__main__":
-    problems = check_links() + run_readme_examples()
+    from pagedprefill.types import FEATURES
+
+    supported = installed_features()
+    print(f"options table checked against the installed backends: {', '.join(sorted(supported))}")
+    problems = check_links() + run_readme_examples() + check_options_table(supported, FEATURES)
     for p in problems:
         print(p)
     print("docs: OK" if not problems else f"docs: {len(problems)} problem(s)")

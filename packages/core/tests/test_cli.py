@@ -63,7 +63,22 @@ def test_environment_names_no_usable_backend():
     assert_user_error(run_cli("demo", PAGEDPREFILL_BACKEND="nonexistent"), "demo",
                       "PAGEDPREFILL_BACKEND='nonexistent' names no backend that can run on",
                       "nonexistent: backend 'nonexistent' was requested but is not installed",
-                      "Unset PAGEDPREFILL_BACKEND to choose automatically.")
+                      "(unset PAGEDPREFILL_BACKEND to choose automatically)")
+
+
+@pytest.mark.parametrize("value", [",", ",, ,"])
+def test_environment_with_no_names(value):
+    line = assert_user_error(run_cli("demo", PAGEDPREFILL_BACKEND=value), "demo",
+                             f"PAGEDPREFILL_BACKEND={value!r} names no backend: expected backend names separated "
+                             "by commas, such as 'sm80,generic' (installed: ",
+                             "reference", "; unset PAGEDPREFILL_BACKEND to choose automatically")
+    assert "Unset" not in line, line
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "tune"])
+def test_meta_device_is_refused_by_the_commands_that_compute(command):
+    assert_user_error(run_cli(command, "--device", "meta"), command,
+                      "argument --device: meta: meta tensors hold no data", "use --device cpu or a GPU")
 
 
 @no_gpu
@@ -137,6 +152,7 @@ def test_demo_compares_with_an_independent_float64_computation():
     err, tol = float(match.group(1)), float(match.group(2))
     # float32 against float64: a real, small difference (a comparison with itself would give exactly 0)
     assert 0 < err <= tol, proc.stdout
+    assert re.search(r"^time: \S+ ms, one run \(host clock", proc.stdout, re.M), proc.stdout
 
 
 def test_info_says_what_triton_none_means():
@@ -191,7 +207,7 @@ import sys
 
 
 class _HideNumpy:
-    """Import hook: numpy is absent, as after `pip install ./packages/core` (the reference-only install)."""
+    """Import hook: numpy is absent, as in an environment installed with `pip install --no-deps`."""
 
     def find_spec(self, name, path=None, target=None):
         if name == "numpy" or name.startswith("numpy."):
@@ -219,7 +235,7 @@ def without_numpy(tmp_path_factory) -> dict:
                          ids=["import", "info"])
 def test_no_numpy_warning_without_numpy(without_numpy, args):
     """Without numpy, importing pagedprefill and running the command print no NumPy warning, even with every
-    UserWarning shown (the reference-only install needs no numpy)."""
+    UserWarning shown (the reference backend needs no numpy)."""
     control = subprocess.run([sys.executable, "-W", "always::UserWarning", "-c", "import torch"],
                              capture_output=True, text=True, env=without_numpy, timeout=TIMEOUT)
     if "Failed to initialize NumPy" not in control.stderr:

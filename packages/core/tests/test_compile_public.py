@@ -17,6 +17,12 @@ from pagedprefill import vllm
 from pagedprefill.testing import BatchSpec, fresh_output, make_problem
 from pagedprefill.testing.cases import written_rows
 
+# torch's inductor imports torch.utils.mkldnn, whose module classes still declare their methods with
+# torch.jit.script_method, deprecated in torch itself: 14 warnings from torch's code, at the first inductor
+# compile of the process, about nothing this package calls. Only that warning from that module is silenced.
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning:torch\.jit\._script")
+
 SPEC = BatchSpec(query_lens=(5, 1, 17, 0, 3), context_lens=(9, 40, 0, 6, 1), layout="split", alibi=True, sinks=True,
                  sliding_window=7, seed=1)
 

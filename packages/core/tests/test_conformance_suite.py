@@ -88,5 +88,28 @@ def test_skip_reasons_seen_by_a_third_party_backend(tmp_path):
     excluded = re.findall(r"SKIPPED \[(\d+)\] .*: excluded for backend 'reference' \(kv_cache_dtype='fp8\w*'\): "
                           r"no FP8 on this hardware", out)
     assert sum(int(n) for n in excluded) == len(FP8_CASES), out
-    assert "needs a ~9 GB cache: run backend 'reference''s conformance tests on a GPU" in out, out
+    assert "needs a ~9 GB cache: run the conformance tests of backend 'reference' on a GPU" in out, out
+    assert "''s" not in out, out
     assert "nox" not in out, out
+
+
+def test_a_refused_feature_is_skipped_with_the_refusal_said_once(monkeypatch):
+    """A backend that leaves a feature out of supported_features: the case is skipped with the refusal's
+    own words, which name the backend and the feature once each."""
+    from types import SimpleNamespace
+
+    from pagedprefill.backends.reference import ReferenceBackend
+    from pagedprefill.testing import conformance
+
+    class NoFp8Out(ReferenceBackend):
+        name = "nofp8out"
+        supported_features = ReferenceBackend.supported_features - {"fp8_out_scale"}
+
+    monkeypatch.setattr(conformance, "get_registry", lambda: SimpleNamespace(get=lambda name: NoFp8Out()))
+    suite = type("Suite", (ConformanceSuite,), {"backend": "nofp8out"})()
+    spec = case_spec("fp8_out", "small", 0)
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        suite._check(spec, torch.device("cpu"), "nofp8out/case")
+    reason = str(skipped.value)
+    assert reason.startswith("refused, as its supported_features declare: backend 'nofp8out' does not support ")
+    assert reason.count("nofp8out") == 1 and reason.count("fp8_out_scale") == 1, reason

@@ -3,10 +3,13 @@ the template's exclusion example covers every case it means to exclude."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
+import pagedprefill
 import pytest
+from pagedprefill.types import FEATURES
 
 REPO = Path(__file__).resolve().parents[3]
 README = REPO / "README.md"
@@ -53,3 +56,47 @@ def test_template_readme_names_the_description_among_what_to_rename():
     assert "(template)" not in (TEMPLATE / "src" / "pagedprefill_mybackend" / "backend.py").read_text()
     assert 'description = f"Triton kernels tuned for {VENDOR} accelerators"' in \
         (TEMPLATE / "src" / "pagedprefill_mybackend" / "backend.py").read_text()
+
+
+def _check_docs():
+    spec = importlib.util.spec_from_file_location("check_docs", REPO / "ci" / "check_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("backend", ["reference", "generic", "sm80", "bi100"])
+def test_readme_options_table_matches_supported_features(backend):
+    """Each backend's column says "yes" exactly for the features its ``supported_features`` holds."""
+    found = {b.name: b for b in pagedprefill.get_registry().backends()}
+    if backend not in found:
+        pytest.skip(f"backend {backend!r} is not installed here (install ./packages/backend-{backend})")
+    supported = {backend: frozenset(found[backend].supported_features)}
+    assert _check_docs().check_options_table(supported, FEATURES) == []
+
+
+def test_options_table_check_catches_a_wrong_cell():
+    """The check is not vacuous: a backend that lost a feature the table promises is reported."""
+    problems = _check_docs().check_options_table({"generic": FEATURES - {"skip_decode"}}, FEATURES)
+    assert problems == ["README.md options table: generic / skip_decode says 'yes', but "
+                        "generic.supported_features lacks it"]
+
+
+#: Where the backend guide describes each tiling type: from the first text to the second.
+FIELD_PARAGRAPHS = {"ProblemShape": ("`ProblemShape` (`pagedprefill.tiling`) carries", "`TileConfig` has"),
+                    "TileConfig": ("`TileConfig` has", "End every policy")}
+
+
+@pytest.mark.parametrize("cls", sorted(FIELD_PARAGRAPHS))
+def test_guide_lists_every_field(cls):
+    """The backend guide's paragraph on a tiling type names each of its fields."""
+    import dataclasses
+
+    from pagedprefill import tiling
+
+    text = " ".join(GUIDE.read_text().split())
+    begin, end = FIELD_PARAGRAPHS[cls]
+    paragraph = text[text.index(begin):]
+    paragraph = paragraph[:paragraph.index(end)]
+    missing = [f.name for f in dataclasses.fields(getattr(tiling, cls)) if f"`{f.name}`" not in paragraph]
+    assert not missing, f"docs/writing-a-backend.md does not describe {cls} fields {missing}"

@@ -409,14 +409,14 @@ def test_env_override_with_nothing_supported_fails_loudly(dummy_facts):
     assert error["type"] == "BackendUnavailableError"  # never a silent fall-back to the reference
     assert error["message"].startswith("PAGEDPREFILL_BACKEND='dummy' names no backend that can run on test cpu")
     assert f"  - dummy: {DUMMY_REASON}" in error["message"]
-    assert "Unset PAGEDPREFILL_BACKEND to choose automatically." in error["message"]
+    assert "(unset PAGEDPREFILL_BACKEND to choose automatically):\n" in error["message"]
 
     error = dummy_facts["env"]["generic,dummy @ cpu"]
     assert error["type"] == "BackendUnavailableError"
     lines = error["message"].splitlines()
     assert lines[1].startswith("  - generic: ") and len(lines[1]) > len("  - generic: ")
     assert lines[2].startswith(f"  - dummy: {DUMMY_REASON}")
-    assert lines[-1] == "Unset PAGEDPREFILL_BACKEND to choose automatically."
+    assert lines[-1] == lines[2], "the reasons end the message"
 
     error = dummy_facts["env"]["nosuch @ dummy"]
     assert error["type"] == "BackendUnavailableError"

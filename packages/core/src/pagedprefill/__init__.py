@@ -19,7 +19,8 @@ from typing import Optional
 
 with warnings.catch_warnings():
     # torch warns "Failed to initialize NumPy" when it first meets a missing numpy (at its import, or when
-    # custom operators register); the reference-only install has no numpy and needs none.
+    # custom operators register); core declares numpy, but an environment installed with --no-deps (a vendor's
+    # SDK) may lack it, and the reference backend runs without it.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     import torch  # noqa: F401
 

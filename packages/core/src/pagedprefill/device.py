@@ -147,6 +147,47 @@ def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+#: What installs what Triton's interpreter needs (the ``interpreter`` extra of core and of generic).
+INTERPRETER_FIX = ('pip install "numpy<2.4" (or the interpreter extra: '
+                   'pip install "./packages/backend-generic[interpreter]")')
+
+
+def interpreter_unready() -> Optional[str]:
+    """Why Triton's CPU interpreter cannot run kernels here, with the fix; None when it can.
+
+    The interpreter runs kernels on numpy arrays, so it needs numpy; and the interpreter of the Triton
+    releases the packages allow (up to 3.6) converts 1-element arrays to Python scalars, which numpy 2.4
+    refuses ("only 0-dimensional arrays can be converted to Python scalars"). Read from the installed
+    distributions' metadata, without importing numpy or Triton.
+    """
+    import importlib.util
+    from importlib import metadata
+
+    try:
+        found = importlib.util.find_spec("numpy") is not None
+        numpy_version = metadata.version("numpy")
+    except (ImportError, metadata.PackageNotFoundError):
+        found = False
+    if not found:
+        return f"Triton's interpreter needs numpy, which is not installed: {INTERPRETER_FIX}"
+    try:
+        triton_version = metadata.version("triton")
+    except metadata.PackageNotFoundError:  # a vendor's build under another distribution name: no rule known
+        return None
+    if _release(triton_version) < (3, 7) and _release(numpy_version) >= (2, 4):
+        return (f"Triton {triton_version}'s interpreter needs numpy < 2.4, but numpy {numpy_version} is "
+                f"installed: {INTERPRETER_FIX}")
+    return None
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The leading numeric release of ``version`` ("2.4.0rc1" -> (2, 4, 0)), enough to compare releases."""
+    import re
+
+    match = re.match(r"\d+(?:\.\d+)*", version)
+    return tuple(int(part) for part in match.group().split(".")) if match else ()
+
+
 def vendor_override() -> Optional[str]:
     """The vendor named by ``PAGEDPREFILL_VENDOR`` (lower case), or None."""
     value = os.environ.get(ENV_VENDOR, "").strip().lower()

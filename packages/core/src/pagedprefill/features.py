@@ -35,9 +35,15 @@ def check_features(backend, problem: PrefillProblem) -> None:
     ``backend`` does not run."""
     missing = missing_features(backend, problem)
     if missing:
-        what = "; ".join(FEATURE_DESCRIPTIONS[name] for name in sorted(missing))
+        what = "; ".join(_describe(name) for name in sorted(missing))
         raise UnsupportedFeatureError(
-            f"backend {backend.name!r} does not support {what} (features {sorted(missing)}); "
-            f"use backend='reference', which runs every feature"
+            f"backend {backend.name!r} does not support {what}; use backend='reference', which runs every feature"
         )
+
+
+def _describe(name: str) -> str:
+    """The argument the caller set, and the feature's name (as ``supported_features`` spells it) where the
+    argument does not already say it."""
+    description = FEATURE_DESCRIPTIONS[name]
+    return description if description.startswith(name) else f"{description} (feature {name!r})"
 

@@ -145,7 +145,9 @@ class PagedKVCache:
     v_scale: ScaleLike = 1.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "layout", KVLayout(self.layout))
+        # A member is kept as it is: torch.compile (torch 2.11) cannot trace the enum's lookup by value.
+        if not isinstance(self.layout, KVLayout):
+            object.__setattr__(self, "layout", KVLayout(self.layout))
         object.__setattr__(self, "dtype", KVCacheDType.parse(self.dtype))
 
     @property

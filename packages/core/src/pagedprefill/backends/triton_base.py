@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from ..device import DeviceInfo, interpreter_enabled, triton_installed
+from ..device import DeviceInfo, interpreter_enabled, interpreter_unready, triton_installed
 from ..features import check_features
 from ..registry import Backend, UnsupportedFeatureError
 from ..tiling import ProblemShape, TileConfig
@@ -57,7 +57,8 @@ class TritonBackend(Backend):
                 return ["runs on GPUs only, not on the CPU"]
             if not interpreter_enabled():
                 return ["on the CPU it needs Triton's interpreter: set TRITON_INTERPRET=1"]
-            return []
+            unready = interpreter_unready()
+            return [unready] if unready else []
         if interpreter_enabled():
             return [f"TRITON_INTERPRET=1 is set, which runs Triton on the CPU only, not on {device.type}"]
         if device.triton_backend is None:

@@ -39,6 +39,16 @@ def torch_device(text: str) -> torch.device:
     return device
 
 
+def data_device(text: str) -> torch.device:
+    """argparse type: a device that holds data, for the commands that compute (``demo``, ``bench``, ``tune``):
+    a :func:`torch_device` other than ``meta``, whose tensors have shapes but no values."""
+    device = torch_device(text)
+    if device.type == "meta":
+        raise argparse.ArgumentTypeError(f"{device}: meta tensors hold no data, so nothing can be computed or "
+                                         "checked on them; use --device cpu or a GPU")
+    return device
+
+
 def device_problem(device: torch.device) -> Optional[str]:
     """Why this process cannot use ``device`` (and what to do), or None when it can."""
     if device.type == "cuda":

@@ -26,7 +26,7 @@ from .. import accelerator
 from ..cache import gather_kv
 from ..types import PrefillProblem
 from ..workloads import BatchSpec, Workload, default_suite, flops, fresh_output, make_problem
-from .arguments import positive_int, torch_device
+from .arguments import data_device, positive_int
 
 
 def _median_ms(fn: Callable[[], object], reps: int) -> float:
@@ -287,7 +287,7 @@ def cmd_bench(args) -> int:
 def register(sub) -> None:
     p = sub.add_parser("bench", help="time the workload suite for backends and peers (GPU)")
     p.add_argument("--backend", action="append", help="backend to time (repeatable; default: the selected one)")
-    p.add_argument("--device", type=torch_device, default=None, help="CUDA device to time on (default: the current)")
+    p.add_argument("--device", type=data_device, default=None, help="CUDA device to time on (default: the current)")
     p.add_argument("--only", action="append", help="run workloads whose name contains this (repeatable)")
     p.add_argument("--reps", type=positive_int, default=200, help="do_bench repetition budget in ms (default 200)")
     p.add_argument("--layout", choices=["split", "nhd", "both"], default="both",

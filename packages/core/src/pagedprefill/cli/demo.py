@@ -11,7 +11,7 @@ from ..device import DeviceInfo
 from ..testing.cases import DEFAULT_TOLERANCES
 from ..validation import dtype_name
 from ..workloads import BatchSpec, fresh_output, make_problem
-from .arguments import positive_int, torch_device
+from .arguments import data_device, positive_int
 
 
 def demo_spec(device: torch.device) -> BatchSpec:
@@ -60,8 +60,9 @@ def cmd_demo(args) -> int:
           f"{err:.3e} (tolerance {atol * 4:.1e}) -> {'OK' if ok else 'MISMATCH'}")
     note = " (Triton's CPU interpreter: a correctness run, not a speed figure)" if (
         device.type == "cpu" and backend.name != "reference") else ""
-    print(f"time: median {times[len(times) // 2] * 1e3:.2f} ms over {len(times)} runs (host clock, synchronised)"
-          f"{note}")
+    median = times[len(times) // 2] * 1e3
+    timed = f"{median:.2f} ms, one run" if len(times) == 1 else f"median {median:.2f} ms over {len(times)} runs"
+    print(f"time: {timed} (host clock, synchronised){note}")
     return 0 if ok else 1
 
 
@@ -73,7 +74,7 @@ def _sync(device: torch.device) -> None:
 def register(sub) -> None:
     """Add the ``demo`` subcommand to ``sub`` (an argparse subparsers object)."""
     p = sub.add_parser("demo", help="run a realistic batch on the selected backend and check it")
-    p.add_argument("--device", type=torch_device, default=None,
+    p.add_argument("--device", type=data_device, default=None,
                    help="torch device (default: the current GPU, else cpu)")
     p.add_argument("--backend", default=None,
                    help="backend name, as 'pagedprefill info' lists them (default: automatic selection)")

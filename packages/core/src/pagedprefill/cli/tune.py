@@ -17,7 +17,7 @@ import torch
 
 from ..testing.cases import DEFAULT_TOLERANCES, assert_matches_reference
 from ..workloads import BatchSpec, fresh_output, make_problem
-from .arguments import positive_int, torch_device
+from .arguments import data_device, positive_int
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -119,7 +119,7 @@ def register(sub) -> None:
     p.add_argument("--backend", default="sm80",
                    help="backend whose declared search space is swept; it must define search_space() "
                         "(default: %(default)s)")
-    p.add_argument("--device", type=torch_device, default=None,
+    p.add_argument("--device", type=data_device, default=None,
                    help="CUDA device to tune on (default: the current one)")
     p.add_argument("--head-size", type=positive_int, nargs="+", default=[64, 128],
                    help="head sizes to tune (default: 64 128)")

@@ -205,6 +205,11 @@ class Registry:
             return self._require(self.get(backend), device)
         if env:
             names = [n.strip() for n in env.split(",") if n.strip()]
+            if not names:
+                installed = ", ".join(b.name for b in self.backends()) or "none"
+                raise BackendUnavailableError(
+                    f"{ENV_BACKEND}={env!r} names no backend: expected backend names separated by commas, "
+                    f"such as 'sm80,generic' (installed: {installed}); unset {ENV_BACKEND} to choose automatically")
             problems = []
             for name in names:
                 try:
@@ -217,9 +222,8 @@ class Registry:
                     return candidate
                 problems.append(f"  - {name}: " + "; ".join(reasons))
             raise BackendUnavailableError(
-                f"{ENV_BACKEND}={env!r} names no backend that can run on {device.describe()}:\n"
-                + "\n".join(problems) + f"\nUnset {ENV_BACKEND} to choose automatically."
-            )
+                f"{ENV_BACKEND}={env!r} names no backend that can run on {device.describe()} (unset "
+                f"{ENV_BACKEND} to choose automatically):\n" + "\n".join(problems))
         for candidate in self.backends():
             if not _safe_supports(candidate, device):
                 return candidate
