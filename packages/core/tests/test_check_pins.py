@@ -61,6 +61,12 @@ def test_the_tested_pair_passes(check_pins, monkeypatch, capsys):
         capsys.readouterr().out
 
 
+def test_a_patch_release_of_the_tested_torch_passes(check_pins, monkeypatch, capsys):
+    _answer(check_pins, monkeypatch, versions={"torch": "2.11.1", "triton": "3.6.0", "numpy": "2.3.5"})
+    assert check_pins.main(["packages/core"]) == 0
+    assert "alone to torch 2.11.1, triton 3.6.0" in capsys.readouterr().out
+
+
 def test_another_pair_fails(check_pins, monkeypatch, capsys):
     _answer(check_pins, monkeypatch, versions={"torch": "2.13.0", "triton": "3.7.1"})
     assert check_pins.main(["packages/core"]) == 1
