@@ -8,7 +8,7 @@ import torch
 
 from ..reference_impl import reference_prefill
 from ..types import PrefillProblem
-from ..workloads import BatchSpec, fresh_output
+from ..workloads import BatchSpec, fresh_output, with_output
 
 #: (atol, rtol) per query dtype for N(0, 1) data; FP8 caches compare against the reference on the same
 #: dequantised cache, so they use the query dtype's tolerance too.
@@ -156,16 +156,19 @@ def written_rows(problem: PrefillProblem) -> torch.Tensor:
 
 def assert_matches_reference(out: torch.Tensor, problem: PrefillProblem, atol: float, rtol: float,
                              label: str = "") -> None:
-    """Every output element is finite and within tolerance of the reference (computed in float32).
+    """Every output element is finite and within tolerance of the reference (computed in float32 and, but for
+    an FP8 output, kept in float32).
 
     ``out`` must start NaN-poisoned (as :func:`~pagedprefill.testing.make_problem` makes it): rows that
     ``skip_decode`` skips must still be NaN (untouched). An FP8 output is compared with at least
     :data:`FP8_OUT_TOLERANCE`.
     """
-    ref = reference_prefill(fresh_output(problem)).float()
     got = out.float()
-    if out.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+    if out.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):  # the reference rounds to FP8 the same way
+        ref = reference_prefill(fresh_output(problem)).float()
         atol, rtol = max(atol, FP8_OUT_TOLERANCE[0]), max(rtol, FP8_OUT_TOLERANCE[1])
+    else:  # computed and kept in float32: no rounding to the output dtype on the reference's side
+        ref = reference_prefill(with_output(problem, torch.full(out.shape, float("nan"), device=out.device)))
     rows = written_rows(problem)
     if not bool(rows.all()):
         skipped = got[~rows]

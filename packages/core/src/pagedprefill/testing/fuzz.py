@@ -325,7 +325,7 @@ class FuzzGenerator:
                      for r in (rng.random() for _ in range(n))]
         qlens = self._fit_tokens(rng, qlens, key.tokens_state, max_q)
         clens = []
-        for q in qlens:
+        for _ in qlens:
             r = rng.random()
             c = 0 if r < 0.3 else bs * rng.randint(1, max(1, max_c // bs)) if r < 0.4 else rng.randint(1, max_c)
             if key.width_state == "1":
@@ -607,8 +607,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     total = len(args.case) if args.case else args.cases
     print(f"fuzz: backend={backend.name} device={device} cases={total} seed={args.seed} sizes={sizes}", flush=True)
-    result = run_fuzz(backend, device, args.cases, args.seed, sizes, progress=ProgressPrinter(total, every_s=args.every),
-                      only=args.case)
+    printer = ProgressPrinter(total, every_s=args.every)
+    result = run_fuzz(backend, device, args.cases, args.seed, sizes, progress=printer, only=args.case)
     for failure in result.failures:
         print(f"FAIL {failure.describe()}", flush=True)
     print(result.details())
