@@ -36,6 +36,7 @@ from ..types import KVCacheDType, PrefillProblem
 from ..validation import validate_problem
 from ..workloads import BatchSpec, fresh_output, make_problem
 from .cases import BASE, CASES, DEFAULT_TOLERANCES, assert_matches_reference, case_spec, random_spec
+from .memory_safety import LARGE, SPECS, check_corrupt_metadata
 
 
 class ConformanceSuite:
@@ -111,6 +112,28 @@ class ConformanceSuite:
             if reason:
                 pytest.skip(reason)
             self._check(spec, pagedprefill_device, f"{self.backend}/{case}/seed={seed}")
+
+    @pytest.mark.parametrize("batch", [*sorted(SPECS), "large"])
+    def test_corrupt_metadata_stays_in_bounds(self, batch, pagedprefill_device):
+        """With ``validate="basic"`` corrupt metadata gives wrong rows but no access outside the tensors, and the
+        device keeps working (:mod:`pagedprefill.testing.memory_safety`)."""
+        device = pagedprefill_device
+        if batch == "large" and device.type == "cpu":
+            pytest.skip("the GPU-sized batch (head size 128, contexts of 1000) runs on GPUs "
+                        "(--pagedprefill-device=cuda); the small batches cover the same paths in the interpreter")
+        spec = LARGE if batch == "large" else SPECS[batch]
+        backend = get_registry().get(self.backend)
+        if device.type == "cpu" and isinstance(backend, TritonBackend) and not interpreter_enabled():
+            pytest.skip(f"backend {self.backend!r} runs Triton kernels: on the CPU set TRITON_INTERPRET=1")
+        reason = self._skip_reason(spec, device)
+        if reason:
+            pytest.skip(reason)
+        missing = missing_features(backend, make_problem(spec, device))
+        if missing:
+            pytest.skip(f"backend {self.backend!r} does not support {sorted(missing)}")
+        checked = check_corrupt_metadata(backend, self.device_info(device), device, spec,
+                                         label=f"{self.backend}/{batch}")
+        print(f"{self.backend}/{batch}: {len(checked)} corrupt metadata variants stayed in bounds")
 
     def test_cache_offsets_beyond_int32(self, pagedprefill_device):
         """Blocks whose element offsets pass 2**31 are addressed correctly (64-bit offset arithmetic)."""
