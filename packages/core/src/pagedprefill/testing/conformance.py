@@ -32,10 +32,21 @@ from ..backends.triton_base import TritonBackend
 from ..device import DeviceInfo, interpreter_enabled
 from ..features import check_features, missing_features
 from ..registry import UnsupportedFeatureError
+from ..tiling import settle
 from ..types import KVCacheDType, PrefillProblem
 from ..validation import validate_problem
 from ..workloads import BatchSpec, fresh_output, make_problem
-from .cases import BASE, CASES, DEFAULT_TOLERANCES, assert_matches_reference, case_spec, random_spec
+from .cases import (
+    BASE,
+    CASES,
+    DEFAULT_TOLERANCES,
+    MULTI_TILE_CASES,
+    SMALL_TILE,
+    assert_matches_reference,
+    case_spec,
+    multi_tile_spec,
+    random_spec,
+)
 from .memory_safety import LARGE, SPECS, check_corrupt_metadata
 
 
@@ -112,6 +123,30 @@ class ConformanceSuite:
             if reason:
                 pytest.skip(reason)
             self._check(spec, pagedprefill_device, f"{self.backend}/{case}/seed={seed}")
+
+    @pytest.mark.parametrize("case", sorted(MULTI_TILE_CASES))
+    def test_multi_tile_case_matches_reference(self, case, pagedprefill_device, monkeypatch):
+        """Windows, ALiBi, sinks and the optional features over contexts of several key tiles, with the tile
+        forced small (:data:`~pagedprefill.testing.cases.SMALL_TILE`): window tile skipping, the mask-free
+        middle tiles and every edge tile are reached even in the interpreter's small batches."""
+        backend = get_registry().get(self.backend)
+        if not isinstance(backend, TritonBackend):
+            pytest.skip(f"backend {self.backend!r} has no tiles to force; its conformance cases cover it")
+        policy_tile = backend.tile_config
+
+        def small_tile(shape, device):
+            config = policy_tile(shape, device)
+            heads = min(config.heads_per_tile, SMALL_TILE["block_m"] // 2)
+            return settle(config.with_(**SMALL_TILE, heads_per_tile=heads, num_stages=min(config.num_stages, 2)),
+                          shape)
+
+        monkeypatch.setattr(backend, "tile_config", small_tile)  # undone after the test
+        for seed in self.seeds[:1]:  # the lengths, not the data, make these cases: one seed is enough
+            spec = multi_tile_spec(case, seed)
+            reason = self._skip_reason(spec, pagedprefill_device)
+            if reason:
+                pytest.skip(reason)
+            self._check(spec, pagedprefill_device, f"{self.backend}/multi_tile/{case}/seed={seed}")
 
     @pytest.mark.parametrize("batch", [*sorted(SPECS), "large"])
     def test_corrupt_metadata_stays_in_bounds(self, batch, pagedprefill_device):
