@@ -170,6 +170,10 @@ def random_spec(seed: int, size: str = "small", dtypes=(torch.float16, torch.flo
         x = rng.choice([None, None, 1, 2, 4, 8, 16])
         if x is not None and spec.head_size % x == 0:
             spec = spec.replace(x=x)
+    # The optional features (a backend without one checks that it refuses the case, naming it).
+    spec = spec.replace(causal=rng.random() >= 0.15, skip_decode=rng.random() < 0.15,
+                        kv_in_cache=rng.random() < 0.15,
+                        fp8_out_scale=round(rng.uniform(0.01, 0.1), 3) if rng.random() < 0.1 else None)
     return spec
 
 
