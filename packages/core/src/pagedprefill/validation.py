@@ -8,7 +8,9 @@ Two levels:
   consistent, starts match lengths, and every block-table entry a sequence uses is a valid block.
 
 Independently of the level, the kernels bound every address they form by the tensor extents, so bad
-metadata can give wrong numbers but never an out-of-bounds access.
+metadata can give wrong numbers in the rows it concerns but never an out-of-bounds access
+(:mod:`pagedprefill.testing.memory_safety` proves it for every backend). The reference backend, which reads
+the metadata on the host anyway, always runs the ``"full"`` value checks.
 """
 
 from __future__ import annotations
