@@ -15,6 +15,9 @@ After each corrupt variant, run with ``validate="basic"``:
   finite N(0, 1) data, so a NaN in ``out`` means a guard was read;
 * ``validate="full"`` rejects the variant with a ``ValueError``.
 
+A backend that reads the metadata on the host anyway (``reads_metadata_on_host``: the reference) gets the
+``"full"`` value checks from dispatch with ``"basic"`` too: there each variant must raise that ``ValueError``.
+
 Afterwards the device still works: a valid call on the same backend matches the reference (on a GPU a fault
 would have poisoned the CUDA context, and this call would raise).
 
@@ -54,7 +57,7 @@ SMALL = BatchSpec(query_lens=(5, 9, 3), context_lens=(7, 0, 20), num_heads=4, nu
 SPECS: dict[str, BatchSpec] = {
     "nhd_bs4": SMALL,
     "split_bs5_window": SMALL.replace(layout="split", block_size=5, sliding_window=3, alibi=True, sinks=True),
-    "nhd_bs128_fp8_out_skip_decode": SMALL.replace(block_size=128, query_lens=(5, 1, 3), fp8_out_scale=0.05,
+    "nhd_bs128_out_scale_skip_decode": SMALL.replace(block_size=128, query_lens=(5, 1, 3), fp8_out_scale=0.05,
                                                    skip_decode=True),
     "split_x1_kv_in_cache_non_causal": SMALL.replace(layout="split", x=1, kv_in_cache=True, causal=False),
 }
@@ -170,8 +173,20 @@ def check_corrupt_metadata(backend: Backend, info: DeviceInfo, device: torch.dev
         snapshot = {n: buf.clone() for n, buf in bufs.items()}
         out_guards = out_buf.clone()
         validate_problem(problem, "basic")  # what the default lets through
-        backend.check_problem(problem, info)
-        backend.run(problem, info)
+        if getattr(backend, "reads_metadata_on_host", False):
+            # Such a backend (the reference) gets the full value checks from dispatch even with "basic":
+            # the call raises, naming an argument, and runs nothing.
+            from ..api import dispatch
+
+            try:
+                dispatch(problem, backend=backend, validate="basic")
+            except ValueError as exc:
+                assert "validate='full'" in str(exc), f"{label}: {name}: {exc}"
+            else:
+                raise AssertionError(f"{label}: {name}: backend {backend.name!r} computed corrupt metadata")
+        else:
+            backend.check_problem(problem, info)
+            backend.run(problem, info)
         _synchronize(device)
         for buf_name, buf in bufs.items():
             assert _same_bits(buf, snapshot[buf_name]), f"{label}: {name}: {buf_name} (or its guard) was written"
