@@ -9,6 +9,7 @@ import pagedprefill
 import pytest
 import torch
 from pagedprefill import DeviceInfo, ProblemShape, UnsupportedFeatureError
+from pagedprefill.backends.triton_base import problem_shape
 from pagedprefill.testing import BatchSpec, make_problem
 from pagedprefill_bi100 import bi100_policy, described_devices, device_limits
 from pagedprefill_bi100.policy import unfit_reason
@@ -296,5 +297,8 @@ def test_fp8_kv_cache_is_refused_with_alternatives(kv_cache_dtype, stored):
     {"head_size": 80, "block_size": 7, "layout": "split"},
 ])
 def test_other_features_are_accepted(features):
+    """Everything but an FP8 cache is accepted on a BI-V100, with a tile that fits its 48 KiB."""
     problem = make_problem(BatchSpec(query_lens=(3, 2), context_lens=(5, 0)).replace(**features), "cpu")
-    bi100().check_problem(problem, BI_V100)
+    assert bi100().check_problem(problem, BI_V100) is None  # raises UnsupportedFeatureError when refused
+    config = bi100().tile_config(problem_shape(problem), BI_V100)
+    assert config.shared_mem_bytes(problem.head_size, problem.q.element_size()) <= BI_V100.max_shared_mem

@@ -2,60 +2,92 @@
 full ranges: see :mod:`pagedprefill.testing.fuzz`). The GPU fuzz runs in ``packages/core/tests/gpu``."""
 
 import pytest
+import torch
 from pagedprefill import DeviceInfo, get_registry
 from pagedprefill.backends.reference import ReferenceBackend
-from pagedprefill.testing.fuzz import GPU_HEAD_SIZES, FuzzGenerator, FuzzSizes, kernel_variant_key, run_fuzz
+from pagedprefill.testing.fuzz import (
+    GPU_HEAD_SIZES,
+    FuzzGenerator,
+    FuzzSizes,
+    ProgressPrinter,
+    kernel_variant_key,
+    rerun_command,
+    run_fuzz,
+)
+from pagedprefill.types import FEATURES
 
-#: Cases of the CPU run: about 70 s on two cores (the interpreter's cost grows with heads times tokens).
-CPU_CASES = 220
+#: Cases of the CPU run: about 75 s on two cores (the interpreter's cost grows with heads times tokens).
+CPU_CASES = 300
 
 
-def test_fuzz_matches_reference_in_the_interpreter(pagedprefill_device):
+def test_fuzz_matches_reference_in_the_interpreter(pagedprefill_device, terminal_line):
     if pagedprefill_device.type != "cpu":
         pytest.skip("the CPU fuzz runs in Triton's interpreter; on GPUs: pytest packages/core/tests/gpu "
                     "(nox -s production) or python -m pagedprefill.testing.fuzz --backend generic --device cuda")
     reasons = get_registry().get("generic").supports(DeviceInfo.detect(pagedprefill_device))
     if reasons:
         pytest.skip(f"the generic backend cannot run on the CPU here: {'; '.join(reasons)}")
-    result = run_fuzz("generic", pagedprefill_device, cases=CPU_CASES, seed=0, sizes=FuzzSizes.cpu())
+    result = run_fuzz("generic", pagedprefill_device, cases=CPU_CASES, seed=0, sizes=FuzzSizes.cpu(),
+                      progress=ProgressPrinter(CPU_CASES, terminal_line, every_s=30))
     print(f"\n{result.details()}\n{result.summary()}")
     assert result.cases == CPU_CASES
     assert result.unsupported == 0
     assert result.kernel_variants > CPU_CASES // 2  # nearly every case is a new shape/feature combination
-    assert not result.failures, "\n".join(f.describe() for f in result.failures)
+    assert not result.failures, "\n".join(f.one_line() for f in result.failures)
 
 
-def test_fuzz_streams_cover_the_ranges_and_bound_gpu_specialisations():
-    """The case streams themselves (no kernel runs): reproducible from the seed, reaching the ends of every range,
-    and the GPU stream launching at most ``max_variants`` kernel specialisations however long it runs."""
-    for sizes, n in ((FuzzSizes.cpu(), 1500), (FuzzSizes.gpu(), 3000)):
-        generator = FuzzGenerator(7, sizes)
-        specs = [generator.next_spec() for _ in range(n)]
-        assert specs == [s for s, _ in zip(FuzzGenerator(7, sizes), range(n))]
-        qlens = {q for s in specs for q in s.query_lens}
-        clens = {c for s in specs for c in s.context_lens}
-        assert {0, 1} <= qlens and 0 in clens
-        assert any(not s.query_lens for s in specs)  # empty batches
+def _specs(sizes, n, seed=7, features=FEATURES):
+    generator = FuzzGenerator(seed, sizes, features)
+    return [generator.next_spec() for _ in range(n)]
+
+
+@pytest.mark.parametrize("sizes, n", [(FuzzSizes.cpu(), 1500), (FuzzSizes.gpu(), 3000)], ids=["cpu", "gpu"])
+def test_fuzz_streams_cover_the_ranges_and_bound_gpu_specialisations(sizes, n):
+    """The case streams themselves (no kernel runs): reproducible from the seed and from each case's index alone,
+    reaching the ends of every range and every optional feature, and the GPU stream launching at most ``keys``
+    kernel specialisations however long it runs."""
+    specs = _specs(sizes, n)
+    assert specs == _specs(sizes, n)
+    assert [FuzzGenerator(7, sizes).spec(i) for i in (0, 1, n // 2, n - 1)] == [specs[i] for i in (0, 1, n // 2, n - 1)]
+    qlens = {q for s in specs for q in s.query_lens}
+    clens = {c for s in specs for c in s.context_lens}
+    assert {0, 1} <= qlens and 0 in clens
+    assert max(clens) > 64  # contexts span several key tiles
+    assert any(not s.query_lens or not sum(s.query_lens) for s in specs)  # empty batches
+    if sizes.keys is None:  # the GPU stream holds 24 keys: the ends of the ranges are among its first five
         assert {1, 544} <= {s.block_size for s in specs}
         assert {1, 256} <= {s.head_size for s in specs}
-        assert {1, 64} <= {s.num_heads // s.num_kv_heads for s in specs}
-        assert max(s.num_heads for s in specs) <= sizes.max_heads
-        assert 1 in {s.sliding_window for s in specs}
-        assert {"fp8_e4m3", "fp8_e5m2", "auto"} == {s.kv_cache_dtype for s in specs}
-        assert {"nhd", "split"} == {s.layout for s in specs}
-        assert set(sizes.dtypes) == {s.dtype for s in specs}
-        for flag in ("alibi", "sinks", "scale_as_tensor"):
-            assert {True, False} == {getattr(s, flag) for s in specs}, flag
-        assert any(s.softcap for s in specs) and any(s.sm_scale for s in specs)
-        assert {"B", "B+1"} == {s.start_loc_entries for s in specs}
-        variants = {kernel_variant_key(s) for s in specs} - {None}
-        if sizes.max_variants is None:
-            assert len(variants) > n // 2
-        else:
-            assert len(variants) <= sizes.max_variants
-            assert {s.head_size for s in specs} <= set(GPU_HEAD_SIZES)
-        print(f"{n} specs: {len(variants)} kernel variants, {len({s.head_size for s in specs})} head sizes, "
-              f"{len({s.block_size for s in specs})} block sizes")
+    assert {1, 64} <= {s.num_heads // s.num_kv_heads for s in specs}
+    assert max(s.num_heads for s in specs) <= sizes.max_heads
+    assert 1 in {s.sliding_window for s in specs}
+    assert {"fp8_e4m3", "fp8_e5m2", "auto"} == {s.kv_cache_dtype for s in specs}
+    assert {"nhd", "split"} == {s.layout for s in specs}
+    assert any(s.x is not None for s in specs)
+    assert set(sizes.dtypes) == {s.dtype for s in specs}
+    for flag in ("alibi", "sinks", "scale_as_tensor", "causal", "skip_decode", "kv_in_cache"):
+        assert {True, False} == {getattr(s, flag) for s in specs}, flag
+    assert any(s.fp8_out_scale for s in specs) and any(s.fp8_out_scale is None for s in specs)
+    assert any(s.softcap for s in specs) and any(s.sm_scale for s in specs)
+    assert {"B", "B+1"} == {s.start_loc_entries for s in specs}
+    variants = {kernel_variant_key(s) for s in specs} - {None}
+    if sizes.keys is None:
+        assert len(variants) > n // 2
+    else:
+        assert len(variants) <= sizes.keys
+        assert {s.head_size for s in specs} <= set(GPU_HEAD_SIZES)
+        assert any(min(s.query_lens) > 256 for s in specs if s.query_lens)  # "long" workloads too
+    print(f"{n} specs: {len(variants)} kernel variants, {len({s.head_size for s in specs})} head sizes, "
+          f"{len({s.block_size for s in specs})} block sizes")
+
+
+def test_fuzz_draws_only_the_features_a_backend_supports():
+    without_fp8_out = FEATURES - {"fp8_out_scale"}
+    for sizes in (FuzzSizes.cpu(), FuzzSizes.gpu()):
+        specs = _specs(sizes, 600, features=without_fp8_out)
+        assert all(s.fp8_out_scale is None for s in specs)
+        assert any(s.kv_in_cache for s in specs)
+        plain = _specs(sizes, 600, features=frozenset())
+        assert not any(s.kv_in_cache or s.skip_decode or not s.causal or s.fp8_out_scale for s in plain)
 
 
 class _OffByALittle(ReferenceBackend):
@@ -65,15 +97,35 @@ class _OffByALittle(ReferenceBackend):
 
     def run(self, problem, device):
         super().run(problem, device)
-        problem.out.add_(0.05)
+        problem.out.copy_(problem.out.float() + 0.05)  # FP8 outputs too
 
 
-def test_fuzz_reports_every_wrong_case():
+def test_fuzz_reports_every_wrong_case_with_a_rerun_that_repeats_it():
     n = 40
-    result = run_fuzz(_OffByALittle(), "cpu", cases=n, seed=3, sizes=FuzzSizes.cpu())
-    generator = FuzzGenerator(3, FuzzSizes.cpu())
-    with_tokens = [i for i in range(n) if sum(generator.next_spec().query_lens) > 0]
+    sizes = FuzzSizes.cpu()
+    result = run_fuzz(_OffByALittle(), "cpu", cases=n, seed=3, sizes=sizes)
+    generator = FuzzGenerator(3, sizes, _OffByALittle.supported_features)
+    written = []
+    for i in range(n):
+        spec = generator.spec(i)
+        rows = [q for q in spec.query_lens if q > 1 or (q == 1 and not spec.skip_decode)]
+        if rows:
+            written.append(i)
     assert result.cases == n
-    assert [f.index for f in result.failures] == with_tokens
-    assert all("seed=" in f.describe() and "Tensor-likes are not close" in f.message for f in result.failures)
-    assert result.summary() == f"fuzz: {n} cases, {len(with_tokens)} failures"
+    assert [f.index for f in result.failures] == written
+    for failure in result.failures:
+        assert failure.rerun == rerun_command("off_by_a_little", torch.device("cpu"), sizes, 3, failure.index)
+        assert failure.rerun.endswith(f"--mode cpu --seed 3 --case {failure.index}")
+        assert "\n" not in failure.one_line() and failure.rerun in failure.one_line()
+    assert result.summary() == f"fuzz: {n} cases, {len(written)} failures"
+    again = run_fuzz(_OffByALittle(), "cpu", seed=3, sizes=sizes, only=[written[-1]])
+    assert [f.index for f in again.failures] == [written[-1]] and again.failures[0].spec == result.failures[-1].spec
+
+
+def test_progress_lines_come_at_least_every_interval():
+    lines = []
+    printer = ProgressPrinter(5, lines.append, every_s=0.0)
+    run_fuzz(_OffByALittle(), "cpu", cases=5, seed=3, sizes=FuzzSizes.cpu(), progress=printer)
+    progress = [line for line in lines if line.startswith("fuzz: ")]
+    assert len(progress) == 5 and progress[-1].startswith("fuzz: 5/5 cases")
+    assert any(line.startswith("FAIL case ") and "--case" in line for line in lines)

@@ -154,16 +154,13 @@ def test_opcheck(case):
 
 def test_import_registers_ops_without_triton():
     code = (
-        "import sys, time\n"
+        "import sys\n"
         "import torch\n"
-        "t0 = time.perf_counter()\n"
         "import pagedprefill\n"
-        "dt = time.perf_counter() - t0\n"
         "assert 'triton' not in sys.modules, 'import pagedprefill imported triton'\n"
         "assert 'pagedprefill.triton' not in sys.modules\n"
         "print(torch.ops.pagedprefill.prefill_attention.default._schema)\n"
         "print(torch.ops.pagedprefill.prefill_attention_.default._schema)\n"
-        "print(f'import pagedprefill after torch: {dt:.3f} s')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PAGEDPREFILL_LAZY_SELECT"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
@@ -174,9 +171,6 @@ def test_import_registers_ops_without_triton():
                    "Tensor? fp8_out_scale_tensor=None", 'str validate="basic"'):
         assert option in lines[0] and option in lines[1], f"{option} missing from the schemas"
     assert "Tensor(a3!) out" in lines[1] and lines[1].endswith("-> ()")
-    seconds = float(lines[2].split()[-2])
-    print(lines[2])
-    assert seconds < 2.0, f"import pagedprefill took {seconds:.2f} s on top of torch"
 
 
 # -- torch.compile ---------------------------------------------------------------------------------------------

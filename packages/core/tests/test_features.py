@@ -203,8 +203,8 @@ def test_kv_in_cache_needs_blocks_for_every_token():
     """With k = v = None the block table must cover seq_len tokens, not only the context (full validation)."""
     p = make_problem(SPEC.replace(kv_in_cache=True))
     narrow = p.batch.block_table[:, :2]  # sequence 1 has 41 tokens in the cache: 6 blocks of 8
-    with pytest.raises(ValueError, match=r"^b_loc: sequence 1 has 41 tokens in the cache, needing 6 blocks of 8, "
-                                         r"but the block table has 2 columns"):
+    with pytest.raises(ValueError, match=r"^b_loc: expected at least 6 columns \(sequence 1 has 41 tokens in the "
+                                         r"cache, needing 6 blocks of 8\), got 2 columns"):
         _drop_in(p, b_loc=narrow)
     assert _drop_in(p) is p.out and torch.isfinite(p.out.float()).all()
 

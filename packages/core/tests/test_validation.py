@@ -364,33 +364,35 @@ CASES = [
         ("expected a finite float >= 0 (0 = off)", "got None")),
     # -- the "full" checks: metadata values ------------------------------------------------------------
     Bad("ctx_negative", NHD, set_item("b_ctx_len", 1, -3), ValueError, "b_ctx_len",
-        ("expected values >= 0", "got -3 for sequence 1")),
+        ("expected values >= 0", "got b_ctx_len[1]=-3")),
     Bad("seq_len_below_ctx_len", NHD, set_item("b_seq_len", 1, 30), ValueError, "b_seq_len",
-        ("expected b_seq_len >= b_ctx_len", "got seq_len=30 < ctx_len=40 for sequence 1")),
+        ("expected b_seq_len[i] >= b_ctx_len[i]", "got b_seq_len[1]=30 < b_ctx_len[1]=40")),
     Bad("start_negative", NHD, put("b_start_loc", lambda a: a["b_start_loc"] - 1), ValueError, "b_start_loc",
-        ("expected values >= 0", "got -1 for sequence 0")),
+        ("expected offsets >= 0", "got b_start_loc[0]=-1")),
+    Bad("start_decreasing", NHD, set_item("b_start_loc", 2, 3), ValueError, "b_start_loc",
+        ("expected non-decreasing offsets", "got [0, 5, 3, 23, 23, 26]")),
     Bad("start_inconsistent", NHD, set_item("b_start_loc", 2, 7), ValueError, "b_start_loc",
-        ("expected packed sequences (start[i + 1] = start[i] + seq_len[i] - ctx_len[i])",
-         "got start[2]=7, expected 6")),
+        ("expected packed sequences (b_start_loc[i + 1] = b_start_loc[i] + b_seq_len[i] - b_ctx_len[i])",
+         "got b_start_loc[2]=7, expected 6")),
     Bad("start_last_entry_inconsistent", NHD, set_item("b_start_loc", B, T - 1), ValueError, "b_start_loc",
-        ("expected packed sequences", f"got start[{B}]={T - 1}, expected {T}")),
+        ("expected packed sequences", f"got b_start_loc[{B}]={T - 1}, expected {T}")),
     Bad("seq_len_disagrees_with_starts", NHD, set_item("b_seq_len", 0, 9 + 6), ValueError, "b_start_loc",
-        ("expected packed sequences", "got start[1]=5, expected 6")),
+        ("expected packed sequences", "got b_start_loc[1]=5, expected 6")),
     Bad("ctx_len_disagrees_with_starts", NHD, set_item("b_ctx_len", 2, 1), ValueError, "b_start_loc",
-        ("expected packed sequences", "got start[3]=23, expected 22")),
+        ("expected packed sequences", "got b_start_loc[3]=23, expected 22")),
     Bad("lengths_past_tokens_b_entries", NHD.replace(start_loc_entries="B"), set_item("b_seq_len", 4, 1 + 3 + 1),
-        ValueError, "b_seq_len/b_ctx_len", (f"end at {T + 1}", f"past the {T} tokens of q")),
+        ValueError, "b_seq_len/b_ctx_len", (f"to end within the {T} tokens of q", f"got an end at {T + 1}")),
     Bad("starts_shifted_past_tokens", NHD.replace(start_loc_entries="B"),
         put("b_start_loc", lambda a: a["b_start_loc"] + 2), ValueError, "b_seq_len/b_ctx_len",
-        (f"end at {T + 2}", f"past the {T} tokens of q")),
+        (f"to end within the {T} tokens of q", f"got an end at {T + 2}")),
     Bad("max_input_len_too_small", NHD, put("max_input_len", lambda a: 16), ValueError, "max_input_len",
         ("expected >= the longest query (17)", "got 16")),
     Bad("max_input_len_zero", NHD, put("max_input_len", lambda a: 0), ValueError, "max_input_len",
         ("expected >= the longest query (17)", "got 0")),
     Bad("block_table_too_narrow", NHD, put("b_loc", lambda a: a["b_loc"][:, :4]), ValueError, "b_loc",
-        ("sequence 1 has 40 cached tokens, needing 5 blocks of 8", "the block table has 4 columns")),
+        ("expected at least 5 columns (sequence 1 has 40 cached tokens, needing 5 blocks of 8)", "got 4 columns")),
     Bad("block_table_no_columns", NHD, put("b_loc", lambda a: a["b_loc"][:, :0]), ValueError, "b_loc",
-        ("sequence 1 has 40 cached tokens, needing 5 blocks of 8", "the block table has 0 columns")),
+        ("expected at least 5 columns (sequence 1 has 40 cached tokens, needing 5 blocks of 8)", "got 0 columns")),
     Bad("block_entry_too_large", NHD, set_item("b_loc", (1, 4), NB), ValueError, "b_loc",
         (f"expected block numbers in [0, {NB})", f"got {NB} at [1, 4] (sequence 1 uses 5 blocks)")),
     Bad("block_entry_negative", SPLIT, set_item("b_loc", (0, 0), -1), ValueError, "b_loc",
@@ -482,7 +484,7 @@ def test_validate_problem_direct():
                                                 p.batch.block_table, p.batch.max_query_len))
     pp.validate_problem(broken, "basic")
     pp.validate_problem(broken)  # "basic" is the default
-    with pytest.raises(ValueError, match=r"^context_lens: expected values >= 0, got -1 for sequence 3$"):
+    with pytest.raises(ValueError, match=r"^context_lens: expected values >= 0, got context_lens\[3\]=-1$"):
         pp.validate_problem(broken, "full")
     pp.validate_problem(p, "full")
 
@@ -559,7 +561,9 @@ def test_native_errors_name_the_native_arguments():
         (dataclasses.replace(good, query_start=good.query_start[:2]), ValueError, r"^query_start: expected shape"),
         (dataclasses.replace(good, context_lens=good.context_lens.float()), TypeError, r"^context_lens: expected"),
         (dataclasses.replace(good, seq_lens=good.seq_lens - 100), ValueError,
-         r"^seq_lens: expected seq_lens >= context_lens, got"),
+         r"^seq_lens: expected seq_lens\[i\] >= context_lens\[i\], got seq_lens\[3\]=-94 < context_lens\[3\]=6$"),
+        (dataclasses.replace(good, query_start=good.query_start.flip(0)), ValueError,
+         r"^query_start: expected non-decreasing offsets, got \[26, 23, 23, 6, 5, 0\]$"),
     ]
     for batch, exc, pattern in checks:
         with pytest.raises(exc, match=pattern):

@@ -41,11 +41,14 @@ class Sm80Backend(TritonBackend):
 
     def kernel_for(self, problem: PrefillProblem, device: DeviceInfo) -> str:
         """The kernel that runs ``problem``: the policy's choice, or the portable kernel when the Hopper
-        kernel cannot address these tensors (strides a 2-D TMA view needs, 16-byte alignment)."""
-        from .hopper.launch import unfit_reason
+        kernel cannot take the tile it is given (a tile forced from outside the policy) or address these
+        tensors (strides a 2-D TMA view needs, 16-byte alignment)."""
+        from .hopper.launch import shape_unfit_reason, unfit_reason
 
-        config = self.tile_config(problem_shape(problem), device)
-        if config.kernel == "hopper" and unfit_reason(problem, config) is None:
+        shape = problem_shape(problem)
+        config = self.tile_config(shape, device)
+        if config.kernel == "hopper" and shape_unfit_reason(shape, config) is None \
+                and unfit_reason(problem, config) is None:
             return "hopper"
         return "portable"
 

@@ -177,7 +177,12 @@ def prefill_attention(
         out: optional ``[T, H, D]`` output tensor to write (allocated when None: in ``q``'s dtype, or
             ``float8_e4m3fn`` with ``fp8_out_scale``; zero-filled with ``skip_decode``).
         backend: a backend name or instance; default chooses by device (see :func:`select_backend`).
-        validate: ``"basic"`` (no host sync) or ``"full"`` (also checks metadata values).
+        validate: ``"basic"`` (no host sync) or ``"full"`` (also checks metadata values). With ``"basic"``
+            the metadata values are not checked by the Triton backends: invalid values (block numbers outside
+            the cache, decreasing starts, lengths past the block table...) give unspecified values in the rows
+            they concern, but never a read outside the input tensors or a write outside ``out``. ``"full"``
+            copies the metadata to the host and raises a ``ValueError`` naming the argument instead. The
+            ``reference`` backend always checks the values. See docs/reliability.md, "Memory safety".
 
     Returns:
         The output ``[T, H, D]``. Compile-safe: ``torch.compile(fullgraph=True)`` traces it as one operator.
@@ -227,7 +232,9 @@ def context_attention_fwd(
     (NHD). ``b_start_loc`` has ``B`` or ``B + 1`` entries. ``max_input_len`` is only a hint (the launch
     never depends on it). ``sliding_window`` of None or <= 0 means no window. ``k_scale``/``v_scale`` may
     be floats or 1-element tensors. Any ``x >= 1`` dividing the head size is accepted in the split K cache.
-    Keyword extras: ``sm_scale`` (default ``1/sqrt(D)``), ``sinks``, ``softcap``, ``backend``, ``validate``.
+    Keyword extras: ``sm_scale`` (default ``1/sqrt(D)``), ``sinks``, ``softcap``, ``backend``, ``validate``
+    (``"basic"``: invalid metadata values give unspecified rows but no access outside the tensors; ``"full"``:
+    a ``ValueError`` naming the argument instead; see :func:`prefill_attention`).
     Compile-safe like :func:`prefill_attention`. The current serving-engine signature (no ``b_ctx_len``,
     with ``skip_decode``, ``fp8_out_scale``, ``causal``) is :func:`pagedprefill.vllm.context_attention_fwd`.
     """

@@ -145,10 +145,12 @@ class PagedKVCache:
     v_scale: ScaleLike = 1.0
 
     def __post_init__(self) -> None:
-        # A member is kept as it is: torch.compile (torch 2.11) cannot trace the enum's lookup by value.
+        # Only strings are converted: calling an enum class with one of its members breaks the graph under
+        # torch.compile on torch 2.11 (Dynamo traces it as a new object), and the builders pass members.
         if not isinstance(self.layout, KVLayout):
             object.__setattr__(self, "layout", KVLayout(self.layout))
-        object.__setattr__(self, "dtype", KVCacheDType.parse(self.dtype))
+        if not isinstance(self.dtype, KVCacheDType):
+            object.__setattr__(self, "dtype", KVCacheDType.parse(self.dtype))
 
     @property
     def block_size(self) -> int:

@@ -8,7 +8,9 @@ Two levels:
   consistent, starts match lengths, and every block-table entry a sequence uses is a valid block.
 
 Independently of the level, the kernels bound every address they form by the tensor extents, so bad
-metadata can give wrong numbers but never an out-of-bounds access.
+metadata can give wrong numbers in the rows it concerns but never an out-of-bounds access
+(:mod:`pagedprefill.testing.memory_safety` proves it for every backend). The reference backend, which reads
+the metadata on the host anyway, always runs the ``"full"`` value checks.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ class ArgumentNames:
     seq_lens: str = "seq_lens"
     context_lens: str = "context_lens"
     max_query_len: str = "max_query_len"
+    #: The context lengths are derived from the starts and ``seq_lens`` (the vLLM signature): a bad value of
+    #: ``context_lens`` is then reported on the argument the caller wrote, ``seq_lens``.
+    context_from_starts: bool = False
 
 
 #: The native API (:class:`~pagedprefill.BatchMetadata` fields) and the custom operators.
@@ -52,7 +57,7 @@ DROP_IN_NAMES = ArgumentNames(out="o", block_table="b_loc", query_start="b_start
 #: length is computed from ``b_seq_len`` and ``b_start_loc``, so errors about it show that expression.
 VLLM_NAMES = ArgumentNames(out="o", block_table="b_loc", query_start="b_start_loc", seq_lens="b_seq_len",
                            context_lens="b_seq_len[i] - (b_start_loc[i + 1] - b_start_loc[i])",
-                           max_query_len="max_input_len")
+                           max_query_len="max_input_len", context_from_starts=True)
 #: The names records by the key the custom operators take (``argument_names=``), so that an operator called
 #: by a public function while ``torch.compile`` traces it names that function's arguments.
 ARGUMENT_NAMES = {"native": NATIVE_NAMES, "drop_in": DROP_IN_NAMES, "vllm": VLLM_NAMES}
@@ -103,6 +108,16 @@ def _expect_unit_stride(name: str, t: torch.Tensor) -> None:
     if t.dim() == 1 and t.shape[0] > 1 and t.stride(0) != 1:
         raise ValueError(f"{name}: expected a contiguous 1-D tensor (stride 1), got stride {t.stride(0)}; "
                          f"pass {name}.contiguous()")
+
+
+def _values(t: torch.Tensor, at: int, limit: int = 12) -> str:
+    """A 1-D host tensor's values as a list, or the part around index ``at`` when it is long."""
+    values = t.tolist()
+    if len(values) <= limit:
+        return str(values)
+    lo = max(0, min(at - limit // 2, len(values) - limit))
+    inner = ", ".join(str(v) for v in values[lo:lo + limit])
+    return f"[{'..., ' if lo else ''}{inner}{', ...' if lo + limit < len(values) else ''}] (entries {lo}..)"
 
 
 def expected_x(head_size: int, element_size: int) -> int:
@@ -331,36 +346,43 @@ def validate_values(p: PrefillProblem, names: ArgumentNames = NATIVE_NAMES) -> N
     ctx = b.context_lens.to("cpu", torch.int64)
     start = b.query_start.to("cpu", torch.int64)
     table = b.block_table.to("cpu", torch.int64)
+    starts, seqs, ctxs = names.query_start, names.seq_lens, names.context_lens
+    T = p.num_tokens
+    if B:
+        if int(start[0]) < 0:
+            raise ValueError(f"{starts}: expected offsets >= 0, got {starts}[0]={int(start[0])}")
+        steps = start[1:] - start[:-1]
+        if steps.numel() and int(steps.min()) < 0:
+            at = int(torch.argmin(steps))
+            raise ValueError(f"{starts}: expected non-decreasing offsets, got {_values(start, at)}")
     if B and int(ctx.min()) < 0:
         i = int(torch.argmin(ctx))
-        raise ValueError(f"{names.context_lens}: expected values >= 0, got {int(ctx[i])} for sequence {i}")
+        if names.context_from_starts:  # the context length the caller's b_seq_len implies
+            raise ValueError(
+                f"{seqs}: expected {seqs}[i] >= {starts}[i + 1] - {starts}[i] (the new tokens of sequence i), got "
+                f"{seqs}[{i}]={int(seq[i])} < {int(seq[i] - ctx[i])}")
+        raise ValueError(f"{ctxs}: expected values >= 0, got {ctxs}[{i}]={int(ctx[i])}")
     qlen = seq - ctx
     if B and int(qlen.min()) < 0:
         i = int(torch.argmin(qlen))
-        raise ValueError(
-            f"{names.seq_lens}: expected {names.seq_lens} >= {names.context_lens}, got seq_len={int(seq[i])} < "
-            f"ctx_len={int(ctx[i])} "
-            f"for sequence {i}"
-        )
-    T = p.num_tokens
+        raise ValueError(f"{seqs}: expected {seqs}[i] >= {ctxs}[i], got {seqs}[{i}]={int(seq[i])} < "
+                         f"{ctxs}[{i}]={int(ctx[i])}")
     if B:
-        first = int(start[0])
-        if first < 0:
-            raise ValueError(f"{names.query_start}: expected values >= 0, got {first} for sequence 0")
-        expected = first + torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(qlen, 0)])
+        expected = int(start[0]) + torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(qlen, 0)])
         n = start.shape[0]
         bad = (start != expected[:n]).nonzero()
         if bad.numel():
             i = int(bad[0])
             raise ValueError(
-                f"{names.query_start}: expected packed sequences (start[i + 1] = start[i] + seq_len[i] - ctx_len[i]), "
-                f"got start[{i}]={int(start[i])}, expected {int(expected[i])}"
+                f"{starts}: expected packed sequences ({starts}[i + 1] = {starts}[i] + {seqs}[i] - {ctxs}[i]), "
+                f"got {starts}[{i}]={int(start[i])}, expected {int(expected[i])}"
             )
         end = int(expected[-1])
         if end > T:
+            culprit = starts if n == B + 1 else f"{seqs}/{ctxs}"
             raise ValueError(
-                f"{names.seq_lens}/{names.context_lens}: the new tokens of all sequences end at {end}, past the "
-                f"{T} tokens of q"
+                f"{culprit}: expected the new tokens of all sequences to end within the {T} tokens of q, got an "
+                f"end at {end}"
             )
     if b.max_query_len is not None and B and int(qlen.max()) > b.max_query_len:
         raise ValueError(
@@ -375,8 +397,8 @@ def validate_values(p: PrefillProblem, names: ArgumentNames = NATIVE_NAMES) -> N
     if B and int(nblocks_needed.max()) > width:
         i = int(torch.argmax(nblocks_needed))
         raise ValueError(
-            f"{names.block_table}: sequence {i} has {int(cached[i])} {what}, needing {int(nblocks_needed[i])} "
-            f"blocks of {bs}, but the block table has {width} columns"
+            f"{names.block_table}: expected at least {int(nblocks_needed[i])} columns (sequence {i} has "
+            f"{int(cached[i])} {what}, needing {int(nblocks_needed[i])} blocks of {bs}), got {width} columns"
         )
     if B and width:
         used = torch.arange(width)[None, :] < nblocks_needed[:, None]

@@ -114,7 +114,9 @@ def context_attention_fwd(
     Arguments are those of vLLM (see the module docstring for the semantics of each); ``k_cache`` may be the
     split layout ``[blocks, Hkv, D // x, block_size, x]`` with any ``x`` dividing ``D`` (with 4-D
     ``v_cache`` ``[blocks, Hkv, D, block_size]``) or NHD ``[blocks, block_size, Hkv, D]`` for both.
-    Keyword-only extras: ``softcap``, ``backend``, ``validate`` (as in :func:`pagedprefill.prefill_attention`).
+    Keyword-only extras: ``softcap``, ``backend``, ``validate`` (as in :func:`pagedprefill.prefill_attention`:
+    with the default ``"basic"`` invalid metadata values give unspecified rows of ``o`` but no access outside
+    the tensors; ``"full"`` raises a ``ValueError`` naming the argument instead).
 
     Returns None, as vLLM's function does.
 

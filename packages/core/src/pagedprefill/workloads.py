@@ -49,6 +49,8 @@ class BatchSpec:
     fp8_out_scale: Optional[float] = None
     #: k = v = None: the new tokens' keys/values are written into the cache and read from there
     kv_in_cache: bool = False
+    #: junk block-table columns past the widest sequence's blocks (engines pad their tables)
+    extra_columns: int = 0
 
     def replace(self, **changes) -> BatchSpec:
         return dataclasses.replace(self, **changes)
@@ -70,6 +72,8 @@ class BatchSpec:
             parts.append(f"fp8_out_scale={self.fp8_out_scale}")
         if self.sliding_window:
             parts.append(f"window={self.sliding_window}")
+        if self.extra_columns:
+            parts.append(f"extra_columns={self.extra_columns}")
         if self.softcap:
             parts.append(f"softcap={self.softcap}")
         if self.sm_scale is not None:
@@ -92,7 +96,7 @@ def make_problem(spec: BatchSpec, device="cpu") -> PrefillProblem:
     # With kv_in_cache the cache also holds the new tokens (positions ctx .. ctx + q - 1).
     cached = [c + q for c, q in zip(clens, qlens)] if spec.kv_in_cache else clens
     blocks_per_seq = [-(-c // bs) for c in cached]
-    width = max(blocks_per_seq + [1])
+    width = max(blocks_per_seq + [1]) + spec.extra_columns
     num_blocks = max(1, sum(blocks_per_seq) + spec.spare_blocks)
     kv_dtype = KVCacheDType.parse(spec.kv_cache_dtype)
     cache = allocate_cache(num_blocks, bs, Hkv, D, spec.dtype, layout=spec.layout, kv_cache_dtype=kv_dtype,

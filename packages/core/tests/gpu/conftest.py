@@ -38,6 +38,27 @@ def gpu_backend(gpu) -> pp.Backend:
     return backend
 
 
+def pytest_generate_tests(metafunc):
+    """Tests taking ``offered_backend`` run once per installed Triton backend (a new backend is covered without
+    editing the test); :func:`offered_backend` skips those the GPU does not offer, with their reasons."""
+    if "offered_backend_name" in metafunc.fixturenames:
+        names = [b.name for b in pp.available_backends() if b.name != "reference"]
+        metafunc.parametrize("offered_backend_name", names or ["(no Triton backend installed)"])
+
+
+@pytest.fixture
+def offered_backend(gpu, offered_backend_name) -> pp.Backend:
+    """One Triton backend that supports the GPU (as selection would accept it), by name."""
+    if offered_backend_name not in {b.name for b in pp.available_backends()}:
+        pytest.skip("no Triton backend installed: install ./packages/backend-generic and ./packages/backend-sm80")
+    backend = pp.get_registry().get(offered_backend_name)
+    info = pp.DeviceInfo.detect(gpu)
+    reasons = backend.supports(info)
+    if reasons:
+        pytest.skip(f"backend {backend.name!r} is not offered on {info.describe()}: {'; '.join(reasons)}")
+    return backend
+
+
 @pytest.fixture(scope="session")
 def two_gpus(gpu) -> tuple[torch.device, torch.device]:
     """cuda:0 and cuda:1."""

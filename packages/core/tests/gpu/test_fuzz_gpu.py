@@ -1,27 +1,27 @@
 """Fuzzing the selected backend against the reference on the GPU: ``--pagedprefill-fuzz`` random cases (default
-2000) over the full ranges, with at most ``FuzzSizes.gpu().max_variants`` kernel specialisations (see
-:mod:`pagedprefill.testing.fuzz`)."""
+2000) drawn from a menu of ``FuzzSizes.gpu().keys`` compile keys, so the run compiles at most that many kernels
+(see :mod:`pagedprefill.testing.fuzz`).
+
+A progress line reaches the terminal at least every 15 s without ``-s``; each failure prints at once a one-line
+command that reruns exactly that case::
+
+    pytest packages/core/tests/gpu/test_fuzz_gpu.py --pagedprefill-device=cuda --pagedprefill-fuzz=2000
+"""
 
 from __future__ import annotations
 
-import time
-
-from pagedprefill.testing.fuzz import FuzzSizes, run_fuzz
+from pagedprefill.testing.fuzz import FuzzSizes, ProgressPrinter, run_fuzz
 
 
-def test_fuzz_matches_reference(gpu, gpu_backend, pagedprefill_fuzz):
+def test_fuzz_matches_reference(gpu, gpu_backend, pagedprefill_fuzz, terminal_line):
     sizes = FuzzSizes.gpu()
-    start = time.perf_counter()
-
-    def progress(done, result):
-        if done % 250 == 0:
-            print(f"fuzz: {done}/{pagedprefill_fuzz} cases, {len(result.failures)} failures, "
-                  f"{time.perf_counter() - start:.0f} s", flush=True)
-
-    result = run_fuzz(gpu_backend, gpu, cases=pagedprefill_fuzz, seed=0, sizes=sizes, progress=progress)
-    print(f"\n{result.details()}\n{result.summary()}")
+    terminal_line(f"fuzz: backend={gpu_backend.name} device={gpu} cases={pagedprefill_fuzz} seed=0, "
+                  f"{sizes.keys} compile keys")
+    result = run_fuzz(gpu_backend, gpu, cases=pagedprefill_fuzz, seed=0, sizes=sizes,
+                      progress=ProgressPrinter(pagedprefill_fuzz, terminal_line))
+    terminal_line(f"{result.details()}\n{result.summary()}")
     assert result.cases == pagedprefill_fuzz
-    assert not result.failures, "\n".join(f.describe() for f in result.failures[:20])
-    assert result.kernel_variants <= sizes.max_variants
-    if result.compiled_kernels is not None:  # what Triton compiled: no more than the specialisations counted
+    assert not result.failures, "\n".join(f.one_line() for f in result.failures[:20])
+    assert result.kernel_variants <= sizes.keys
+    if result.compiled_kernels is not None:  # what Triton compiled: no more than the keys drawn
         assert result.compiled_kernels <= result.kernel_variants, result.details()

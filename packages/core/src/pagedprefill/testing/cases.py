@@ -8,7 +8,7 @@ import torch
 
 from ..reference_impl import reference_prefill
 from ..types import PrefillProblem
-from ..workloads import BatchSpec, fresh_output
+from ..workloads import BatchSpec, fresh_output, with_output
 
 #: (atol, rtol) per query dtype for N(0, 1) data; FP8 caches compare against the reference on the same
 #: dequantised cache, so they use the query dtype's tolerance too.
@@ -97,6 +97,38 @@ FEATURE_CASES: dict[str, frozenset] = {
 }
 FEATURE_CASES = {name: features for name, features in FEATURE_CASES.items() if features}
 
+#: Lengths of the multi-tile cases: with the tile forced to :data:`SMALL_TILE` contexts span up to 9 key tiles
+#: and queries up to 4 query tiles, so windows skip whole tiles, the mask-free middle tiles run, and edge tiles
+#: fall at every offset.
+MULTI_TILE_LENGTHS = {"query_lens": (37, 1, 20, 0, 50), "context_lens": (70, 0, 45, 130, 3)}
+#: The tile the multi-tile cases force on a backend (keys 16 at a time, 32 rows).
+SMALL_TILE = {"block_m": 32, "block_n": 16}
+#: name -> changes to BASE with :data:`MULTI_TILE_LENGTHS`: the window, ALiBi, sinks and optional-feature paths
+#: over several key tiles. Run with :data:`SMALL_TILE` by the conformance suite.
+MULTI_TILE_CASES: dict[str, dict] = {
+    "window_1": {"sliding_window": 1},
+    "window_20": {"sliding_window": 20},
+    "window_33_alibi": {"sliding_window": 33, "alibi": True},
+    "alibi": {"alibi": True},
+    "sinks_softcap": {"sinks": True, "softcap": 6.0},
+    "window_17_split_fp8_sinks": {"sliding_window": 17, "layout": "split", "kv_cache_dtype": "fp8_e4m3",
+                                  "sinks": True},
+    "window_21_block_size_1": {"sliding_window": 21, "block_size": 1},
+    "window_40_block_size_64": {"sliding_window": 40, "block_size": 64, "head_size": 24},
+    "non_causal": {"causal": False},
+    "non_causal_window_24_alibi": {"causal": False, "sliding_window": 24, "alibi": True},
+    "skip_decode_window_17": {"skip_decode": True, "sliding_window": 17},
+    "kv_in_cache_window_40": {"kv_in_cache": True, "sliding_window": 40},
+    "kv_in_cache_non_causal_sinks": {"kv_in_cache": True, "causal": False, "sinks": True, "layout": "split", "x": 4},
+    "fp8_out_window_29": {"fp8_out_scale": 0.03, "sliding_window": 29},
+}
+
+
+def multi_tile_spec(name: str, seed: int = 0) -> BatchSpec:
+    """The :class:`BatchSpec` of a multi-tile case."""
+    return BASE.replace(seed=seed, **{**MULTI_TILE_LENGTHS, **MULTI_TILE_CASES[name]})
+
+
 LARGE_LENGTHS = {"query_lens": (300, 1, 1000, 0, 77, 1), "context_lens": (2000, 3000, 0, 64, 513, 1)}
 
 
@@ -138,6 +170,10 @@ def random_spec(seed: int, size: str = "small", dtypes=(torch.float16, torch.flo
         x = rng.choice([None, None, 1, 2, 4, 8, 16])
         if x is not None and spec.head_size % x == 0:
             spec = spec.replace(x=x)
+    # The optional features (a backend without one checks that it refuses the case, naming it).
+    spec = spec.replace(causal=rng.random() >= 0.15, skip_decode=rng.random() < 0.15,
+                        kv_in_cache=rng.random() < 0.15,
+                        fp8_out_scale=round(rng.uniform(0.01, 0.1), 3) if rng.random() < 0.1 else None)
     return spec
 
 
@@ -156,16 +192,19 @@ def written_rows(problem: PrefillProblem) -> torch.Tensor:
 
 def assert_matches_reference(out: torch.Tensor, problem: PrefillProblem, atol: float, rtol: float,
                              label: str = "") -> None:
-    """Every output element is finite and within tolerance of the reference (computed in float32).
+    """Every output element is finite and within tolerance of the reference (computed in float32 and, but for
+    an FP8 output, kept in float32).
 
     ``out`` must start NaN-poisoned (as :func:`~pagedprefill.testing.make_problem` makes it): rows that
     ``skip_decode`` skips must still be NaN (untouched). An FP8 output is compared with at least
     :data:`FP8_OUT_TOLERANCE`.
     """
-    ref = reference_prefill(fresh_output(problem)).float()
     got = out.float()
-    if out.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+    if out.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):  # the reference rounds to FP8 the same way
+        ref = reference_prefill(fresh_output(problem)).float()
         atol, rtol = max(atol, FP8_OUT_TOLERANCE[0]), max(rtol, FP8_OUT_TOLERANCE[1])
+    else:  # computed and kept in float32: no rounding to the output dtype on the reference's side
+        ref = reference_prefill(with_output(problem, torch.full(out.shape, float("nan"), device=out.device)))
     rows = written_rows(problem)
     if not bool(rows.all()):
         skipped = got[~rows]

@@ -1,36 +1,42 @@
 """Fuzzing a backend against the reference: seeded random batches over the full ranges of the interface.
 
-Each case is a random :class:`~pagedprefill.testing.BatchSpec`: ragged query lengths (0 and 1 included),
-context lengths (0 included), block sizes 1..544, head sizes 1..256, GQA ratios 1..64
-(``num_heads = num_kv_heads * ratio``), sliding windows (1 included), ALiBi, softcap, sinks, ``sm_scale``,
-FP8 e4m3/e5m2 caches with float or tensor scales, both cache layouts, ``b_start_loc`` with ``B`` or ``B + 1``
-entries, empty batches, fp16/fp32 and, on GPUs, bf16. :func:`run_fuzz` builds each problem with
-:func:`~pagedprefill.testing.make_problem`, checks it with ``validate_problem(problem, "full")``, runs the
-backend directly (selection bypassed, as :class:`~pagedprefill.testing.ConformanceSuite` does) and compares
-the output with the reference (:func:`~pagedprefill.testing.assert_matches_reference`).
+Every case is a random :class:`~pagedprefill.testing.BatchSpec` built in two steps:
 
-Two modes, chosen by :class:`FuzzSizes`:
+1. a **compile key** (:class:`CompileKey`): everything that selects a compiled kernel. The dtype, head size,
+   block size, head counts, cache layout and split-layout ``x``, FP8 cache format and scale form, the options
+   (ALiBi, softcap, sinks, sliding window, ``causal=False``, ``skip_decode``, ``fp8_out_scale``,
+   ``k = v = None``), the workload class the tiling policies key on, and how Triton specialises the integer
+   arguments that vary with the lengths (equal to 1, a multiple of 16, or neither: sequences, tokens, cache
+   blocks, block-table width, window);
+2. the **case** within that key: query and context lengths (0 and 1 included), a shuffled block table with
+   junk in unused columns, the window's value, softcap and ``sm_scale`` values, FP8 scales, ``b_start_loc``
+   with ``B`` or ``B + 1`` entries, and N(0, 1) data. Lengths are adjusted to the key's integer states, so
+   every case of a key launches the same compiled kernel.
 
-* ``FuzzSizes.cpu()`` (the default on the CPU, for Triton's interpreter): tiny token counts, any head size
-  1..256, any block size 1..544, at most 64 query heads. Every case may be a new kernel specialisation,
-  which costs nothing in the interpreter.
-* ``FuzzSizes.gpu()`` (the default on GPUs): longer sequences, and a bounded number of kernel
-  specialisations, since each one is compiled (seconds each). Head sizes come from
-  :data:`GPU_HEAD_SIZES` = {1, 24, 64, 80, 128, 256}, and the generator tracks the specialisation each case
-  launches (:func:`kernel_variant_key`: the kernel's constexprs, the tile the policy picks for the workload
-  class, and Triton's integer specialisation of the extents, i.e. whether a value is 1 or a multiple of 16).
-  Once ``max_variants`` (56 by default) distinct ones have been drawn, later cases reuse the compiled ones:
-  new lengths, data, block tables, scales and ``sm_scale`` within an already drawn feature combination. So a
-  GPU run compiles fewer than ~60 kernels however many cases it runs (``FuzzResult.compiled_kernels`` counts
-  what Triton actually compiled, where it can be read).
+Optional features are drawn only where the backend lists them in ``supported_features``.
 
-Token counts scale with :meth:`FuzzSizes.scaled` (``--scale`` on the command line)::
+Two presets, chosen by :class:`FuzzSizes`:
 
-    python -m pagedprefill.testing.fuzz --backend generic --device cuda --cases 2000 --seed 0
+* ``FuzzSizes.cpu()`` (the CPU, Triton's interpreter): tiny token counts, any head size 1..256, any block size
+  1..544, and a new compile key for every case (compiling costs nothing in the interpreter).
+* ``FuzzSizes.gpu()``: longer sequences (contexts spanning many key tiles, some prefills past 256 tokens) and
+  a menu of ``keys`` compile keys (24 by default) that the cases cycle through, so a run compiles at most that
+  many kernels (a few seconds each) however many cases it has.
+
+Each case is rebuilt from ``(seed, index)`` alone (:meth:`FuzzGenerator.spec`), so one failing case reruns on
+its own; every failure prints the command that does it::
+
+    python -m pagedprefill.testing.fuzz --backend sm80 --device cuda --mode gpu --seed 0 --case 1234
+
+Whole runs::
+
+    python -m pagedprefill.testing.fuzz --backend sm80 --device cuda --cases 2000 --seed 0
     TRITON_INTERPRET=1 python -m pagedprefill.testing.fuzz --backend generic --device cpu --cases 300
 
-prints progress every ``--every`` cases and a final line ``fuzz: N cases, F failures`` (exit status 1 when
-F > 0). Every failure is printed with its spec, whose ``seed`` rebuilds the exact problem.
+print a progress line at least every 15 s and end with ``fuzz: N cases, F failures`` (exit status 1 when
+F > 0). Each problem is checked with ``validate_problem(problem, "full")``, run on the backend directly
+(selection bypassed, as :class:`~pagedprefill.testing.ConformanceSuite` does) and compared element by element
+with the reference computed in float32 (:func:`~pagedprefill.testing.assert_matches_reference`).
 
 This module does not need pytest.
 """
@@ -51,11 +57,12 @@ import torch
 from ..api import get_registry, select_backend
 from ..device import DeviceInfo, interpreter_enabled
 from ..registry import Backend, UnsupportedFeatureError
+from ..types import FEATURES
 from ..validation import validate_problem
 from ..workloads import BatchSpec, make_problem
 from .cases import DEFAULT_TOLERANCES, assert_matches_reference
 
-#: Head sizes of the GPU mode (each one is a kernel specialisation).
+#: Head sizes of the GPU preset.
 GPU_HEAD_SIZES = (1, 24, 64, 80, 128, 256)
 #: Block sizes drawn often (engine defaults); others are drawn uniformly from 1..544.
 COMMON_BLOCK_SIZES = (1, 2, 8, 16, 32, 64, 128, 256, 544)
@@ -63,48 +70,62 @@ COMMON_HEAD_SIZES = (1, 8, 16, 24, 32, 40, 64, 72, 80, 96, 112, 128, 160, 192, 2
 MAX_BLOCK_SIZE = 544
 MAX_HEAD_SIZE = 256
 MAX_GQA_RATIO = 64
+#: Policies call a batch "long" when its sequences bring more than this many new tokens on average
+#: (:attr:`pagedprefill.ProblemShape.workload`).
+SHORT_WORKLOAD_TOKENS = 256
 
 
 @dataclass(frozen=True)
 class FuzzSizes:
-    """Ranges of the random batches and the GPU mode's bound on kernel specialisations.
+    """Ranges of the random batches and the number of compile keys.
 
     Attributes:
-        max_seqs: sequences per batch (0..max_seqs; an empty batch is drawn now and then).
+        mode: ``"cpu"`` or ``"gpu"``, the preset these sizes come from (named in reproducers).
+        max_seqs: sequences per batch (1..max_seqs; an empty batch is drawn now and then).
         max_query_len, max_context_len: new and cached tokens per sequence.
+        long_query_len: new tokens per sequence of "long" workload keys (0: no such keys).
         max_kv_heads: KV heads (1..max_kv_heads); the GQA ratio is drawn from 1..64 and capped so that
             ``num_heads <= max_heads``.
         max_heads: query heads.
         head_sizes: head sizes to draw from; None draws from all of 1..256.
         dtypes: query dtypes.
         full_length_heads: None, or a head count above which the token and sequence ranges shrink in
-            proportion (``num_heads = 4 * full_length_heads`` draws a quarter of them): keeps the interpreter's
-            cost per case, which grows with heads times tokens, about flat across GQA ratios.
-        max_variants: None (no bound: the CPU interpreter compiles nothing) or the number of distinct kernel
-            specialisations the cases may launch (see :func:`kernel_variant_key`).
+            proportion: keeps the interpreter's cost per case, which grows with heads times tokens, about flat.
+        keys: None (every case draws its own compile key) or the size of the menu of compile keys the cases
+            cycle through (the number of kernels a GPU run compiles).
+        scale: the factor token counts were scaled by (:meth:`scaled`; named in reproducers).
     """
 
+    mode: str = "cpu"
     max_seqs: int = 3
     max_query_len: int = 8
-    max_context_len: int = 32
+    max_context_len: int = 96
+    long_query_len: int = 0
     max_kv_heads: int = 2
     max_heads: int = 64
     head_sizes: Optional[tuple[int, ...]] = None
     dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.float32)
     full_length_heads: Optional[int] = 4
-    max_variants: Optional[int] = None
+    keys: Optional[int] = None
+    scale: float = 1.0
 
     @classmethod
     def cpu(cls) -> FuzzSizes:
-        """Tiny batches for Triton's CPU interpreter, every head and block size."""
+        """Tiny batches for Triton's CPU interpreter, every head and block size, a new key per case."""
         return cls()
 
     @classmethod
     def gpu(cls) -> FuzzSizes:
-        """Larger batches, bf16 too, head sizes from :data:`GPU_HEAD_SIZES`, at most 56 specialisations."""
-        return cls(max_seqs=6, max_query_len=160, max_context_len=700, max_kv_heads=4, max_heads=128,
-                   head_sizes=GPU_HEAD_SIZES, dtypes=(torch.float16, torch.bfloat16, torch.float32),
-                   full_length_heads=None, max_variants=56)
+        """Larger batches, bf16 too, head sizes from :data:`GPU_HEAD_SIZES`, a menu of 24 compile keys."""
+        return cls(mode="gpu", max_seqs=6, max_query_len=160, max_context_len=700, long_query_len=600,
+                   max_kv_heads=4, max_heads=128, head_sizes=GPU_HEAD_SIZES,
+                   dtypes=(torch.float16, torch.bfloat16, torch.float32), full_length_heads=None, keys=24)
+
+    @classmethod
+    def preset(cls, mode: str) -> FuzzSizes:
+        if mode not in ("cpu", "gpu"):
+            raise ValueError(f"mode: expected 'cpu' or 'gpu', got {mode!r}")
+        return cls.cpu() if mode == "cpu" else cls.gpu()
 
     @classmethod
     def for_device(cls, device: Union[str, torch.device]) -> FuzzSizes:
@@ -113,41 +134,71 @@ class FuzzSizes:
     def scaled(self, factor: float) -> FuzzSizes:
         """The same ranges with token counts multiplied by ``factor`` (at least 1 token each)."""
         return dataclasses.replace(self, max_query_len=max(1, round(self.max_query_len * factor)),
-                                   max_context_len=max(1, round(self.max_context_len * factor)))
+                                   max_context_len=max(1, round(self.max_context_len * factor)),
+                                   long_query_len=round(self.long_query_len * factor), scale=self.scale * factor)
+
+    def cli_args(self) -> str:
+        """The command-line options of :func:`main` that select these sizes."""
+        base = FuzzSizes.preset(self.mode)
+        args = f"--mode {self.mode}"
+        if self.scale != 1.0:
+            args += f" --scale {self.scale:g}"
+        if self.keys != base.keys:
+            args += f" --keys {self.keys or 0}"
+        return args
 
 
-def _int_state(value: int) -> str:
+def int_state(value: int) -> str:
     """How Triton specialises an integer argument: equal to 1, a multiple of 16, or neither."""
     return "1" if value == 1 else ("16" if value % 16 == 0 else "n")
+
+
+@dataclass(frozen=True)
+class CompileKey:
+    """What selects the compiled kernel a case launches (cases of one key differ only in lengths and data).
+
+    ``spec`` holds the key's fields of a :class:`BatchSpec` (its lengths, window value and data seed are
+    placeholders); the ``*_state`` fields are Triton's specialisation (:func:`int_state`) of the integer
+    arguments that vary with the lengths, and ``workload`` the class the tiling policies key their tiles on.
+    """
+
+    spec: BatchSpec
+    window: bool
+    seqs_state: str
+    tokens_state: str
+    blocks_state: str
+    width_state: str
+    window_state: str
+    workload: str
 
 
 def kernel_variant_key(spec: BatchSpec) -> Optional[tuple]:
     """What decides which compiled kernel a backend launches for ``spec`` (None: nothing is launched).
 
-    The constexprs (head size, dtypes, layout, features, GQA group), the block size and head counts (which fix
-    every stride), Triton's integer specialisation (1 / multiple of 16 / other) of the extents that vary with
-    the lengths (sequences, tokens, cache blocks, block-table width, window), and the workload class that
-    tiling policies key their tiles on (see :attr:`pagedprefill.ProblemShape.workload`).
+    The constexprs (head size, dtypes, layout and ``x``, features, GQA group), the block size and head counts
+    (which fix every stride), Triton's specialisation (1 / multiple of 16 / other) of the extents that vary
+    with the lengths, and the workload class tiling policies key their tiles on.
     """
     qlens, clens = list(spec.query_lens), list(spec.context_lens)
     B, T = len(qlens), sum(qlens)
     if B == 0 or T == 0:
         return None
     bs = spec.block_size
-    blocks = [-(-c // bs) for c in clens]
+    cached = [c + q for c, q in zip(clens, qlens)] if spec.kv_in_cache else clens
+    blocks = [-(-c // bs) for c in cached]
     num_blocks = max(1, sum(blocks) + spec.spare_blocks)
-    width = max(blocks + [1])
-    mean = T / B
-    workload = "short" if min(mean, max(qlens)) <= 256 else "long"
-    fp8 = spec.kv_cache_dtype != "auto"
+    width = max(blocks + [1]) + spec.extra_columns
+    workload = "short" if min(T / B, max(qlens)) <= SHORT_WORKLOAD_TOKENS else "long"
     window = spec.sliding_window or 0
     return (spec.num_heads, spec.num_kv_heads, spec.head_size, bs, str(spec.dtype), spec.kv_cache_dtype,
-            spec.layout, spec.alibi, spec.softcap > 0, spec.sinks, fp8 and spec.scale_as_tensor,
-            _int_state(window) if window else None, _int_state(B), _int_state(T), _int_state(num_blocks),
-            _int_state(width), workload)
+            spec.layout, spec.x if spec.layout == "split" else None, spec.alibi, spec.softcap > 0, spec.sinks,
+            spec.kv_cache_dtype != "auto" and spec.scale_as_tensor, spec.causal, spec.skip_decode,
+            spec.fp8_out_scale is not None, spec.kv_in_cache,
+            int_state(window) if window else None, int_state(B), int_state(T), int_state(num_blocks),
+            int_state(width), workload)
 
 
-#: The first feature combinations of every stream reach the ends of the ranges (then the draws are free).
+#: The first keys of every stream reach the ends of the ranges (then the draws are free).
 _FIRST_PROFILES = (
     {"num_kv_heads": 1, "num_heads": MAX_GQA_RATIO},
     {"block_size": MAX_BLOCK_SIZE},
@@ -156,27 +207,23 @@ _FIRST_PROFILES = (
     {"head_size": 1},
 )
 
-#: Fields of a BatchSpec that select a kernel specialisation (everything else varies freely within one).
-_PROFILE_FIELDS = ("num_heads", "num_kv_heads", "head_size", "block_size", "dtype", "kv_cache_dtype", "layout",
-                   "alibi", "softcap", "sinks", "scale_as_tensor")
-
 
 class FuzzGenerator:
-    """Seeded stream of random :class:`BatchSpec` s; the same ``(seed, sizes)`` always gives the same stream.
+    """Seeded random :class:`BatchSpec` s: :meth:`spec` ``(index)`` depends only on ``(seed, sizes, features,
+    index)``, so any case is rebuilt on its own; iterating yields cases 0, 1, 2, ...
 
-    With ``sizes.max_variants`` set, at most that many distinct :func:`kernel_variant_key` s are drawn (the
-    GPU mode); later cases redraw lengths within already drawn feature combinations until their key is one
-    that was launched before.
+    ``features`` are the optional features (:data:`pagedprefill.types.FEATURES`) cases may use: the backend's
+    ``supported_features``.
     """
 
-    def __init__(self, seed: int = 0, sizes: Optional[FuzzSizes] = None):
+    def __init__(self, seed: int = 0, sizes: Optional[FuzzSizes] = None, features: frozenset = FEATURES):
         self.seed = seed
         self.sizes = sizes or FuzzSizes.cpu()
-        self.rng = random.Random(seed)
+        self.features = frozenset(features)
         self.index = 0
-        self.variants: set = set()
-        self._profiles: list[dict] = []
-        self._drawn_profiles = 0
+        self.keys: list[CompileKey] = []
+        if self.sizes.keys is not None:
+            self.keys = [self._key(random.Random(f"{seed}:key:{k}"), k) for k in range(self.sizes.keys)]
 
     def __iter__(self):
         return self
@@ -184,15 +231,27 @@ class FuzzGenerator:
     def __next__(self) -> BatchSpec:
         return self.next_spec()
 
-    # -- drawing -------------------------------------------------------------------------------------------
-    def _head_size(self) -> int:
-        rng, choices = self.rng, self.sizes.head_sizes
+    def next_spec(self) -> BatchSpec:
+        """The next case's spec."""
+        spec = self.spec(self.index)
+        self.index += 1
+        return spec
+
+    def spec(self, index: int) -> BatchSpec:
+        """Case ``index`` of the stream."""
+        rng = random.Random(f"{self.seed}:case:{index}")
+        key = self.keys[index % len(self.keys)] if self.keys else self._key(rng, index)
+        return self._case(rng, key, seed=self.seed * 1_000_003 + index)
+
+    # -- compile keys --------------------------------------------------------------------------------------
+    def _head_size(self, rng: random.Random) -> int:
+        choices = self.sizes.head_sizes
         if choices:
             return rng.choice(choices)
         return rng.choice(COMMON_HEAD_SIZES) if rng.random() < 0.5 else rng.randint(1, MAX_HEAD_SIZE)
 
-    def _block_size(self) -> int:
-        rng = self.rng
+    @staticmethod
+    def _block_size(rng: random.Random) -> int:
         r = rng.random()
         if r < 0.35:
             return rng.choice(COMMON_BLOCK_SIZES)
@@ -200,9 +259,8 @@ class FuzzGenerator:
             return rng.randint(1, 12)
         return rng.randint(1, MAX_BLOCK_SIZE)
 
-    def _profile(self) -> dict:
-        """The fields that select a kernel specialisation."""
-        rng, sizes = self.rng, self.sizes
+    def _key(self, rng: random.Random, ordinal: int) -> CompileKey:
+        sizes, features = self.sizes, self.features
         hkv = rng.randint(1, sizes.max_kv_heads)
         cap = max(1, min(MAX_GQA_RATIO, sizes.max_heads // hkv))
         r = rng.random()
@@ -215,86 +273,108 @@ class FuzzGenerator:
         else:
             ratio = rng.randint(1, cap)
         kv = rng.choice(["auto", "auto", "fp8_e4m3", "fp8_e5m2"])
-        profile = dict(
-            num_heads=hkv * ratio, num_kv_heads=hkv, head_size=self._head_size(), block_size=self._block_size(),
-            dtype=rng.choice(list(sizes.dtypes)), kv_cache_dtype=kv, layout=rng.choice(["nhd", "split"]),
-            alibi=rng.random() < 0.25,
-            softcap=rng.choice([1.0, 5.0, 30.0, round(rng.uniform(0.5, 50.0), 3)]) if rng.random() < 0.2 else 0.0,
-            sinks=rng.random() < 0.25,
-            scale_as_tensor=kv != "auto" and rng.random() < 0.5,
-            sliding_window=rng.random() < 0.4,  # on/off here; the value is drawn with the lengths
+        fields = dict(
+            num_heads=hkv * ratio, num_kv_heads=hkv, head_size=self._head_size(rng),
+            block_size=self._block_size(rng), dtype=rng.choice(list(sizes.dtypes)), kv_cache_dtype=kv,
+            layout=rng.choice(["nhd", "split"]), alibi=rng.random() < 0.25,
+            softcap=1.0 if rng.random() < 0.2 else 0.0,  # on/off here; the value is drawn per case
+            sinks=rng.random() < 0.25, scale_as_tensor=kv != "auto" and rng.random() < 0.5,
+            causal=not ("non_causal" in features and rng.random() < 0.15),
+            skip_decode="skip_decode" in features and rng.random() < 0.15,
+            fp8_out_scale=1.0 if "fp8_out_scale" in features and rng.random() < 0.1 else None,
+            kv_in_cache="kv_in_cache" in features and rng.random() < 0.15,
         )
-        if self._drawn_profiles < len(_FIRST_PROFILES):
-            forced = _FIRST_PROFILES[self._drawn_profiles]
+        if ordinal < len(_FIRST_PROFILES):
+            forced = _FIRST_PROFILES[ordinal]
             if forced.get("num_heads", 0) <= sizes.max_heads and forced.get("dtype", sizes.dtypes[0]) in sizes.dtypes:
                 if not sizes.head_sizes or forced.get("head_size", sizes.head_sizes[0]) in sizes.head_sizes:
-                    profile.update(forced)
-        self._drawn_profiles += 1
-        return profile
+                    fields.update(forced)
+        if fields["layout"] == "split" and rng.random() < 0.5:  # any x dividing the head size
+            x = rng.choice([1, 2, 4, 8, 16])
+            if fields["head_size"] % x == 0:
+                fields["x"] = x
+        long = sizes.long_query_len > SHORT_WORKLOAD_TOKENS and rng.random() < 0.2
+        # A single new token in the whole batch is a key of its own (T == 1), kept rare.
+        tokens = rng.choices(["1", "16", "n"], weights=[0 if long else 1, 2.5, 6.5])[0]
+        seqs = "1" if tokens == "1" and rng.random() < 0.5 else rng.choice(["1", "n", "n"])
+        # A one-column table needs every sequence inside one block: not with k = v = None (new tokens are cached).
+        width = "1" if not fields["kv_in_cache"] and rng.random() < 0.2 else "n"
+        return CompileKey(spec=BatchSpec(**fields), window=rng.random() < 0.4, seqs_state=seqs, tokens_state=tokens,
+                          blocks_state=rng.choice(["16", "n", "n"]), width_state=width,
+                          window_state=rng.choice(["1", "16", "n", "n"]), workload="long" if long else "short")
 
-    def _lengths(self, profile: dict, seed: int) -> BatchSpec:
-        """A spec of ``profile`` with random lengths, window value, ``sm_scale`` and metadata form."""
-        rng, sizes = self.rng, self.sizes
-        bs = profile["block_size"]
-        max_q, max_c = sizes.max_query_len, sizes.max_context_len
-        if sizes.full_length_heads and profile["num_heads"] > sizes.full_length_heads:
-            shrink = sizes.full_length_heads / profile["num_heads"]
+    # -- cases within a key ---------------------------------------------------------------------------------
+    def _case(self, rng: random.Random, key: CompileKey, seed: int) -> BatchSpec:
+        sizes, base = self.sizes, key.spec
+        bs, kv_in_cache = base.block_size, base.kv_in_cache
+        max_q, max_c, max_seqs = sizes.max_query_len, sizes.max_context_len, sizes.max_seqs
+        if sizes.full_length_heads and base.num_heads > sizes.full_length_heads:
+            shrink = sizes.full_length_heads / base.num_heads
             max_q, max_c = max(2, round(max_q * shrink)), max(1, round(max_c * shrink))
-            max_seqs = max(1, round(sizes.max_seqs * shrink))
+            max_seqs = max(1, round(max_seqs * shrink))
+        if rng.random() < 0.02:  # an empty batch (no sequences, or none with new tokens): nothing launched
+            n = rng.randint(0, 2)
+            return base.replace(query_lens=(0,) * n, context_lens=tuple(rng.randint(0, max_c) for _ in range(n)),
+                                seed=seed)
+        long = key.workload == "long"
+        n = 1 if key.seqs_state == "1" else rng.randint(2, max(2, 2 if long else max_seqs))
+        if long:
+            qlens = [rng.randint(SHORT_WORKLOAD_TOKENS + 1, sizes.long_query_len) for _ in range(n)]
         else:
-            max_seqs = sizes.max_seqs
-        n = 0 if rng.random() < 0.02 else rng.randint(1, max_seqs)
-        qlens, clens = [], []
-        for _ in range(n):
+            qlens = [0 if r < 0.12 else 1 if r < 0.35 else rng.randint(2, max(2, max_q))
+                     for r in (rng.random() for _ in range(n))]
+        qlens = self._fit_tokens(rng, qlens, key.tokens_state, max_q)
+        clens = []
+        for _ in qlens:
             r = rng.random()
-            qlens.append(0 if r < 0.12 else 1 if r < 0.35 else rng.randint(2, max(2, max_q)))
-            r = rng.random()
-            if r < 0.3:
-                clens.append(0)
-            elif r < 0.4 and bs <= max_c:  # exactly whole blocks
-                clens.append(bs * rng.randint(1, max_c // bs))
-            else:
-                clens.append(rng.randint(1, max_c))
-        window = None
-        if profile["sliding_window"]:
-            longest = max((q + c for q, c in zip(qlens, clens)), default=1)
-            window = 1 if rng.random() < 0.2 else rng.randint(1, longest + 8)
+            c = 0 if r < 0.3 else bs * rng.randint(1, max(1, max_c // bs)) if r < 0.4 else rng.randint(1, max_c)
+            if key.width_state == "1":
+                c = min(c, bs)  # every context inside one block
+            clens.append(c)
+        cached = [c + q for c, q in zip(clens, qlens)] if kv_in_cache else clens
+        blocks = [-(-c // bs) for c in cached]
+        width = max(blocks + [1])
+        extra = 0
+        if key.width_state == "n":
+            extra = rng.choice([0, 0, 1, 3])
+            while int_state(width + extra) != "n":
+                extra += 1
+        used = sum(blocks)
         spare = rng.randint(0, 3)
-        if sizes.max_variants is not None:  # keep the cache extent from adding specialisations
-            used = sum(-(-c // bs) for c in clens)
-            spare = next((s for s in (1, 2, 3) if (used + s) % 16 and used + s != 1), 1)
-        fields = {k: v for k, v in profile.items() if k != "sliding_window"}
-        return BatchSpec(
+        while int_state(max(1, used + spare)) != key.blocks_state:
+            spare += 1
+        window = None
+        if key.window:
+            longest = max(q + c for q, c in zip(qlens, clens))
+            if key.window_state == "1":
+                window = 1
+            elif key.window_state == "16":
+                window = 16 * rng.randint(1, max(1, (longest + 15) // 16))
+            else:
+                window = rng.randint(2, longest + 8)
+                window += window % 16 == 0
+        return base.replace(
             query_lens=tuple(qlens), context_lens=tuple(clens), sliding_window=window,
+            softcap=round(rng.choice([1.0, 5.0, 30.0, rng.uniform(0.5, 50.0)]), 3) if base.softcap else 0.0,
             sm_scale=None if rng.random() < 0.7 else round(rng.uniform(0.02, 1.0), 4),
-            start_loc_entries="B" if rng.random() < 0.3 else "B+1", spare_blocks=spare, seed=seed, **fields)
+            fp8_out_scale=round(rng.uniform(0.005, 0.2), 4) if base.fp8_out_scale is not None else None,
+            start_loc_entries="B" if rng.random() < 0.3 else "B+1", spare_blocks=spare, extra_columns=extra,
+            seed=seed)
 
-    def next_spec(self) -> BatchSpec:
-        """The next case's spec."""
-        seed = self.seed * 1_000_003 + self.index
-        self.index += 1
-        budget = self.sizes.max_variants
-        if budget is None:
-            return self._lengths(self._profile(), seed)
-        full = len(self.variants) >= budget
-        if not self._profiles or (not full and self.rng.random() < 0.5):
-            profile = self._profile()
-        else:
-            profile = self.rng.choice(self._profiles)
-        spec = None
-        for attempt in range(200):
-            spec = self._lengths(profile, seed)
-            key = kernel_variant_key(spec)
-            if key is None or key in self.variants or len(self.variants) < budget:
-                break
-            if attempt % 10 == 9 and self._profiles:
-                profile = self.rng.choice(self._profiles)
-        key = kernel_variant_key(spec)
-        if key is not None:
-            self.variants.add(key)
-            if profile not in self._profiles:
-                self._profiles.append(profile)
-        return spec
+    @staticmethod
+    def _fit_tokens(rng: random.Random, qlens: list[int], state: str, max_q: int) -> list[int]:
+        """``qlens`` changed so that their sum has Triton specialisation ``state`` (and is not 0)."""
+        if state == "1":
+            out = [0] * len(qlens)
+            out[rng.randrange(len(qlens))] = 1
+            return out
+        total = sum(qlens)
+        i = rng.randrange(len(qlens))
+        if state == "16":
+            qlens[i] += (-total) % 16 or (16 if total == 0 else 0)
+        elif int_state(total) != "n" or total == 0:
+            qlens[i] += 2 if total == 0 else 1
+        return qlens
 
 
 # -- running --------------------------------------------------------------------------------------------------
@@ -306,9 +386,15 @@ class FuzzFailure:
     index: int
     spec: BatchSpec
     message: str
+    rerun: str = ""
 
     def describe(self) -> str:
         return f"case {self.index} [{self.spec.describe()} seed={self.spec.seed}]: {self.message}"
+
+    def one_line(self) -> str:
+        """The failure on one line: case, first line of the error, and the command that reruns exactly it."""
+        first = self.message.strip().splitlines()[0] if self.message.strip() else "?"
+        return f"FAIL case {self.index}: {first[:300]} | rerun: {self.rerun}"
 
 
 @dataclass
@@ -317,7 +403,7 @@ class FuzzResult:
 
     Attributes:
         cases: cases run (each built, validated, run and compared).
-        failures: the cases that did not match the reference, with their specs.
+        failures: the cases that did not match the reference, with their specs and reruns.
         unsupported: cases the backend refused with ``UnsupportedFeatureError`` (declared limits; not run).
         kernel_variants: distinct kernel specialisations the cases launched (:func:`kernel_variant_key`).
         compiled_kernels: kernels Triton compiled during the run on the device, where Triton's cache can be
@@ -371,6 +457,31 @@ def _resolve_backend(backend: Union[str, Backend, None], device: torch.device) -
     return get_registry().get(backend)
 
 
+def rerun_command(backend: str, device: torch.device, sizes: FuzzSizes, seed: int, index: int) -> str:
+    """The command line that reruns exactly case ``index`` of a run."""
+    interp = "TRITON_INTERPRET=1 " if device.type == "cpu" else ""
+    return (f"{interp}python -m pagedprefill.testing.fuzz --backend {backend} --device {device} "
+            f"{sizes.cli_args()} --seed {seed} --case {index}")
+
+
+def run_case(backend: Backend, info: DeviceInfo, device: torch.device, spec: BatchSpec,
+             tolerances: Optional[dict] = None, label: str = "fuzz") -> bool:
+    """Build, validate, run and compare one case; False when the backend refused it as unsupported.
+
+    Raises AssertionError (a mismatch) or whatever the backend raised.
+    """
+    problem = make_problem(spec, device)
+    validate_problem(problem, "full")
+    try:
+        backend.check_problem(problem, info)
+    except UnsupportedFeatureError:
+        return False
+    backend.run(problem, info)
+    atol, rtol = (tolerances or DEFAULT_TOLERANCES)[spec.dtype]
+    assert_matches_reference(problem.out, problem, atol, rtol, label=label)
+    return True
+
+
 def run_fuzz(
     backend: Union[str, Backend, None] = None,
     device: Union[str, torch.device] = "cpu",
@@ -380,56 +491,53 @@ def run_fuzz(
     progress: Optional[Callable[[int, FuzzResult], None]] = None,
     tolerances: Optional[dict] = None,
     max_failures: Optional[int] = None,
+    only: Optional[list[int]] = None,
 ) -> FuzzResult:
     """Run ``cases`` random cases on ``backend`` (a name, an instance, or None for the selected one).
 
     Args:
         backend: the backend to fuzz; it is run directly, selection bypassed.
         device: where the problems live.
-        cases: number of cases.
+        cases: number of cases (cases 0 .. cases - 1 of the stream).
         seed: the seed of the case stream (:class:`FuzzGenerator`).
         sizes: a :class:`FuzzSizes`, ``"cpu"``, ``"gpu"``, or None for the device's default.
-        progress: called as ``progress(done, result)`` after each case.
+        progress: called as ``progress(done, result)`` after each case (see :class:`ProgressPrinter`).
         tolerances: ``{dtype: (atol, rtol)}``, default :data:`~pagedprefill.testing.DEFAULT_TOLERANCES`.
         max_failures: stop after that many failures (None: run every case).
+        only: run just these case indices (a reproducer) instead of ``range(cases)``.
 
     Returns:
-        A :class:`FuzzResult`; ``result.failures`` lists every failing case with its spec.
+        A :class:`FuzzResult`; ``result.failures`` lists every failing case with the command that reruns it.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if sizes is None or isinstance(sizes, str):
-        sizes = {None: FuzzSizes.for_device(device), "cpu": FuzzSizes.cpu(), "gpu": FuzzSizes.gpu()}[sizes]
+    if sizes is None:
+        sizes = FuzzSizes.for_device(device)
+    elif isinstance(sizes, str):
+        sizes = FuzzSizes.preset(sizes)
     chosen = _resolve_backend(backend, device)
     info = DeviceInfo.detect(device)
-    tolerances = tolerances or DEFAULT_TOLERANCES
     result = FuzzResult(backend=chosen.name, device=str(device), seed=seed)
-    generator = FuzzGenerator(seed, sizes)
+    generator = FuzzGenerator(seed, sizes, getattr(chosen, "supported_features", frozenset()))
     variants: set = set()
     compiled_before = _compiled_kernel_count(device)
     start = time.perf_counter()
-    for index in range(cases):
-        spec = generator.next_spec()
+    indices = list(only) if only is not None else range(cases)
+    for done, index in enumerate(indices, 1):
+        spec = generator.spec(index)
         variants.add(kernel_variant_key(spec))
         try:
-            problem = make_problem(spec, device)
-            validate_problem(problem, "full")
-            try:
-                chosen.check_problem(problem, info)
-            except UnsupportedFeatureError:
+            if not run_case(chosen, info, device, spec, tolerances, label=f"{chosen.name}/fuzz/{index}"):
                 result.unsupported += 1
-                result.cases += 1
-                continue
-            chosen.run(problem, info)
-            atol, rtol = tolerances[spec.dtype]
-            assert_matches_reference(problem.out, problem, atol, rtol, label=f"{chosen.name}/fuzz/{index}")
         except Exception as exc:  # a mismatch (AssertionError) or any error the backend raised
             message = f"{type(exc).__name__}: {exc}"
-            result.failures.append(FuzzFailure(index, spec, message if len(message) < 2000 else message[:2000]))
+            result.failures.append(FuzzFailure(index, spec, message if len(message) < 2000 else message[:2000],
+                                               rerun_command(chosen.name, device, sizes, seed, index)))
         result.cases += 1
+        result.seconds = time.perf_counter() - start
         if progress is not None:
-            progress(index + 1, result)
+            progress(done, result)
         if max_failures is not None and len(result.failures) >= max_failures:
             break
     result.seconds = time.perf_counter() - start
@@ -440,6 +548,28 @@ def run_fuzz(
     return result
 
 
+class ProgressPrinter:
+    """A ``progress`` callback for :func:`run_fuzz`: a line at least every ``every_s`` seconds (and after the
+    last case), and each failure's one-line reproducer as soon as it happens. ``write`` prints one line."""
+
+    def __init__(self, total: int, write: Callable[[str], None] = None, every_s: float = 15.0):
+        self.total = total
+        self.write = write or (lambda line: print(line, flush=True))
+        self.every_s = every_s
+        self._last = time.perf_counter()
+        self._failures = 0
+
+    def __call__(self, done: int, result: FuzzResult) -> None:
+        for failure in result.failures[self._failures:]:
+            self.write(failure.one_line())
+        self._failures = len(result.failures)
+        now = time.perf_counter()
+        if now - self._last >= self.every_s or done == self.total:
+            self._last = now
+            self.write(f"fuzz: {done}/{self.total} cases, {len(result.failures)} failures, "
+                       f"{result.unsupported} unsupported, {result.seconds:.0f} s")
+
+
 # -- command line ---------------------------------------------------------------------------------------------
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -448,22 +578,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--backend", default=None, help="backend name (default: the one selected for the device)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--cases", type=int, default=2000, help="number of random cases (default 2000)")
+    parser.add_argument("--case", type=int, action="append", default=None,
+                        help="run only this case index (repeatable): what a failure's reproducer does")
     parser.add_argument("--seed", type=int, default=0, help="seed of the case stream (default 0)")
     parser.add_argument("--mode", choices=("cpu", "gpu"), default=None,
                         help="size preset (default: cpu on the CPU, gpu on GPUs; see the module docs)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply token counts by this factor")
-    parser.add_argument("--max-variants", type=int, default=None,
-                        help="bound on kernel specialisations (gpu mode default 56; 0 = no bound)")
-    parser.add_argument("--every", type=int, default=100, help="print progress every N cases (default 100)")
+    parser.add_argument("--keys", type=int, default=None,
+                        help="number of compile keys the cases cycle through (gpu default 24; 0 = a new key per case)")
+    parser.add_argument("--every", type=float, default=15.0, help="seconds between progress lines (default 15)")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         print(f"fuzz: --device={device} but torch {torch.__version__} sees no CUDA device", file=sys.stderr)
         return 2
-    sizes = FuzzSizes.for_device(device) if args.mode is None else getattr(FuzzSizes, args.mode)()
-    if args.max_variants is not None:
-        sizes = dataclasses.replace(sizes, max_variants=args.max_variants or None)
+    sizes = FuzzSizes.for_device(device) if args.mode is None else FuzzSizes.preset(args.mode)
+    if args.keys is not None:
+        sizes = dataclasses.replace(sizes, keys=args.keys or None)
     if args.scale != 1.0:
         if not (math.isfinite(args.scale) and args.scale > 0):
             parser.error(f"--scale: expected a positive number, got {args.scale}")
@@ -473,16 +605,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if reasons:
         print(f"fuzz: backend {backend.name!r} cannot run on {device}: {'; '.join(reasons)}", file=sys.stderr)
         return 2
-    print(f"fuzz: backend={backend.name} device={device} cases={args.cases} seed={args.seed} sizes={sizes}",
-          flush=True)
-    start = time.perf_counter()
-
-    def report(done: int, result: FuzzResult) -> None:
-        if args.every > 0 and (done % args.every == 0 or done == args.cases):
-            print(f"fuzz: {done}/{args.cases} cases, {len(result.failures)} failures, "
-                  f"{time.perf_counter() - start:.1f} s", flush=True)
-
-    result = run_fuzz(backend, device, args.cases, args.seed, sizes, progress=report)
+    total = len(args.case) if args.case else args.cases
+    print(f"fuzz: backend={backend.name} device={device} cases={total} seed={args.seed} sizes={sizes}", flush=True)
+    printer = ProgressPrinter(total, every_s=args.every)
+    result = run_fuzz(backend, device, args.cases, args.seed, sizes, progress=printer, only=args.case)
     for failure in result.failures:
         print(f"FAIL {failure.describe()}", flush=True)
     print(result.details())

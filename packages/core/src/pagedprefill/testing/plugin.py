@@ -67,6 +67,24 @@ def pagedprefill_fuzz(request) -> int:
 
 
 @pytest.fixture
+def terminal_line(request):
+    """``terminal_line(text)`` prints one line on the terminal at once, even while pytest captures output
+    (progress of long tests such as the GPU fuzz shows without ``-s``)."""
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    reporter = request.config.pluginmanager.getplugin("terminalreporter")
+
+    def write(text: str) -> None:
+        if capture is None or reporter is None:
+            print(text, flush=True)
+            return
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(text)
+            reporter.flush()
+
+    return write
+
+
+@pytest.fixture
 def make_paged_batch(pagedprefill_device):
     """Factory fixture: ``make_paged_batch(**BatchSpec fields)`` -> a random PrefillProblem."""
 
