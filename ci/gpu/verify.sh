@@ -16,9 +16,11 @@ set -u
 out=${1:-/tmp/pagedprefill-gpu}; shift || true
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-for p in packages/core packages/backend-*; do
-  python3 -m pip install -q --no-deps --no-build-isolation -e "$p" >"$out/install.log" 2>&1 || { cat "$out/install.log"; exit 1; }
-done
+if [ -z "${SKIP_INSTALL:-}" ]; then  # SKIP_INSTALL=1: the packages are installed already
+  for p in packages/core packages/backend-*; do
+    python3 -m pip install -q --no-deps --no-build-isolation -e "$p" >"$out/install.log" 2>&1 || { cat "$out/install.log"; exit 1; }
+  done
+fi
 python3 -m pagedprefill info | tee "$out/info.txt"
 limit=${STEP_TIMEOUT:-600}
 rc=0
@@ -30,7 +32,7 @@ for step in ${*:-core-gpu conformance fuzz=2000 bench}; do
         --deselect packages/core/tests/gpu/test_fuzz_gpu.py --pagedprefill-device=cuda >"$out/core-gpu.log" 2>&1 || rc=1
       tail -n 40 "$out/core-gpu.log" ;;
     conformance)
-      workers=$(( $(nproc) > 4 ? $(nproc) - 4 : 1 ))
+      workers=${WORKERS:-$(( $(nproc) > 4 ? $(nproc) - 4 : 1 ))}
       timeout "$limit" python3 -m pytest -q -rfs -p no:cacheprovider -n "$workers" packages/backend-generic/tests \
         packages/backend-sm80/tests packages/backend-bi100/tests --pagedprefill-device=cuda >"$out/conformance.log" 2>&1 || rc=1
       grep -E "^(FAILED|ERROR)|passed|failed" "$out/conformance.log" | tail -n 30 ;;
@@ -39,14 +41,14 @@ for step in ${*:-core-gpu conformance fuzz=2000 bench}; do
         --pagedprefill-device=cuda --pagedprefill-fuzz="${step#fuzz=}" >"$out/fuzz.log" 2>&1 || rc=1
       tail -n 8 "$out/fuzz.log" ;;
     bench)
-      python3 -m pagedprefill bench --layout both --no-reference --reps 100 \
+      timeout "$limit" python3 -m pagedprefill bench --layout both --no-reference --reps 100 \
         --commit "${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" --json "$out/bench.json" --png "$out/bench.png" \
         2>"$out/bench.log" | tee "$out/bench.txt" || rc=1 ;;
     hopper)
       timeout "$limit" python3 ci/gpu/hopper_check.py --quick --reps 60 >"$out/hopper_check.log" 2>&1 || rc=1
       sed -n '/^correctness/,$p' "$out/hopper_check.log" ;;
     hopper-conformance)
-      workers=$(( $(nproc) > 4 ? $(nproc) - 4 : 1 ))
+      workers=${WORKERS:-$(( $(nproc) > 4 ? $(nproc) - 4 : 1 ))}
       timeout "$limit" python3 -m pytest -q -rfs -p no:cacheprovider -p no:benchmark -n "$workers" \
         packages/backend-sm80/tests/test_sm80_hopper_conformance.py --pagedprefill-device=cuda \
         --pagedprefill-sweep="${SWEEP:-16}" >"$out/hopper-conformance.log" 2>&1 || rc=1
