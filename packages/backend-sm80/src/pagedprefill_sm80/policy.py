@@ -31,9 +31,12 @@ from pagedprefill.tuning import load_table, lookup, table_key, user_table_path
 #: Environment variable that picks the kernel on sm90: ``auto`` (the policy's choice), ``hopper`` or ``portable``.
 KERNEL_ENV = "PAGEDPREFILL_SM80_KERNEL"
 KERNEL_CHOICES = ("auto", "hopper", "portable")
-#: Whether ``auto`` picks the Hopper kernel where it fits. Off until it has passed conformance on an H200 and
-#: won on the bench there.
+#: Whether ``auto`` picks the Hopper kernel where it fits. Off until every conformance suite has passed on an
+#: H200 with it (its own forced suite passed there on 2026-11-30; the others have not run since).
 HOPPER_BY_DEFAULT = False
+#: Head sizes on which ``auto`` would pick it: where it beat the portable kernel on the H200 bench (run 3: head
+#: size 128 on both layouts; at 64 and 256 it was slower, 274 vs 316 and 313 vs 429 TFLOP/s on NHD).
+HOPPER_WINS_HEAD_SIZES = (128,)
 
 
 def kernel_preference() -> str:
@@ -114,8 +117,10 @@ def choose_kernel(shape: ProblemShape, device: DeviceInfo) -> tuple[str, str]:
         return "portable", f"the Hopper kernel {unfit}"
     if wanted == "hopper":
         return "hopper", f"{KERNEL_ENV}=hopper"
+    if HOPPER_BY_DEFAULT and shape.head_size in HOPPER_WINS_HEAD_SIZES:
+        return "hopper", "the Hopper kernel takes this shape and is the faster one"
     if HOPPER_BY_DEFAULT:
-        return "hopper", "the Hopper kernel takes this shape"
+        return "portable", f"the portable kernel measured faster at head size {shape.head_size}"
     return "portable", f"the Hopper kernel runs only when asked for ({KERNEL_ENV}=hopper) until it is verified"
 
 
