@@ -144,8 +144,8 @@ def call_tensors(p: PrefillProblem, config: TileConfig) -> tuple:
 #: How the consumers schedule their MMAs and the grid its tiles (constexprs of the kernel): ``OVERLAP`` issues
 #: the next tile's Q K^T before this tile's softmax; ``HEAVY_FIRST`` runs each sequence's last query tiles
 #: first. On the H200 (2026-11-30, ci/gpu/hopper_check.py, 4 bench workloads x 2 layouts) the overlapped
-#: schedule was 3-13% slower than the plain one on every row, and heaviest-first at least as fast as index
-#: order on every row (up to 5% faster): docs/performance.md, run 3.
+#: schedule was 3-12% slower than the plain one on every row, and heaviest-first at least as fast as index
+#: order on every row (up to 4% faster): docs/performance.md, run 3.
 SCHEDULE = dict(OVERLAP=False, HEAVY_FIRST=True)
 
 
