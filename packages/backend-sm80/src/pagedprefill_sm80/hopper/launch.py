@@ -117,28 +117,40 @@ def _descriptor(t: torch.Tensor, rows_dim: int, cols_dims: tuple[int, ...], box:
 def call_tensors(p: PrefillProblem, config: TileConfig) -> tuple:
     """The kernel's tensor arguments (TMA descriptors for K/V) in signature order; placeholders (an
     argument of the same kind that the kernel does not read) where a layout or feature does not use one."""
-    c, o, b = p.cache, p.options, p.batch
+    c = p.cache
     D = p.head_size
     box = min(c.block_size, config.block_n)
     if c.layout is KVLayout.SPLIT:
         # [blocks, Hkv, D, block]: rows of slots; a page of one head is D consecutive rows.
         v_cache_t = _descriptor(c.value, 2, (3,), [D, box], swizzle=min(128, box * c.value.element_size()))
         k_cache = v_cache = v_cache_t
-        keys = c.key
     else:
         k_cache = _descriptor(c.key, 1, (2, 3), [box, D])
         v_cache = _descriptor(c.value, 1, (2, 3), [box, D])
-        v_cache_t, keys = v_cache, p.q
+        v_cache_t = v_cache
     if p.k is None:
         k_new, v_new = k_cache, v_cache  # unused: the new tokens' K/V are read from the cache
     else:
         k_new = _descriptor(p.k, 0, (1, 2), [config.block_n, D])
         v_new = _descriptor(p.v, 0, (1, 2), [config.block_n, D])
+    args = _plain_tensors(p)
+    args[DESCRIPTORS] = [k_cache, v_cache, k_new, v_new, v_cache_t]
+    return tuple(args)
+
+
+#: Where the TMA descriptors sit among the kernel's tensor arguments (:func:`_plain_tensors`).
+DESCRIPTORS = slice(2, 7)
+
+
+def _plain_tensors(p: PrefillProblem) -> list:
+    """The kernel's tensor arguments in signature order, with ``None`` at :data:`DESCRIPTORS`."""
+    c, o, b = p.cache, p.options, p.batch
     q = p.q
     out_scale = o.fp8_out_scale
-    return (q, p.out, k_cache, v_cache, k_new, v_new, v_cache_t, keys, b.block_table, b.query_start, b.seq_lens,
-            b.context_lens, q if o.alibi_slopes is None else o.alibi_slopes, q if o.sinks is None else o.sinks,
-            out_scale if isinstance(out_scale, torch.Tensor) else q)
+    keys = c.key if c.layout is KVLayout.SPLIT else q  # split keys are copied, not described
+    return [q, p.out, None, None, None, None, None, keys, b.block_table, b.query_start, b.seq_lens, b.context_lens,
+            q if o.alibi_slopes is None else o.alibi_slopes, q if o.sinks is None else o.sinks,
+            out_scale if isinstance(out_scale, torch.Tensor) else q]
 
 
 #: How the consumers schedule their MMAs and the grid its tiles (constexprs of the kernel): ``OVERLAP`` issues
@@ -198,10 +210,62 @@ def launch_hopper(problem: PrefillProblem, config: TileConfig, shape: ProblemSha
         return hopper_prefill_kernel[call.grid](*call.args, **call.kwargs)
 
 
+class _Address:
+    """What a TMA descriptor reads of its tensor: the address and the dtype (and no reference that would keep
+    the tensor alive)."""
+
+    __slots__ = ("ptr", "dtype")
+
+    def __init__(self, ptr: int, dtype: torch.dtype):
+        self.ptr = ptr
+        self.dtype = dtype
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+def _descriptor_sources(p: PrefillProblem) -> tuple:
+    """The tensors a call's TMA descriptors can describe, in a fixed order."""
+    return (p.cache.key, p.cache.value, p.k, p.v)
+
+
+class _Arguments:
+    """A call signature's tensor arguments, rebuilt per call from a later problem: TMA descriptors keep the
+    first call's shapes, strides, boxes and layouts (all fixed by the signature) and take the new addresses,
+    and a descriptor whose address did not change (the cache, call after call) is reused as it is."""
+
+    def __init__(self, first: PrefillProblem, tensors: tuple):
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        sources = _descriptor_sources(first)
+        self._slots = []  # (argument position, source position, shape, strides, block, layout)
+        self._last = {}  # argument position -> (address, descriptor)
+        for position, arg in enumerate(tensors):
+            if isinstance(arg, TensorDescriptor):
+                source = next(i for i, t in enumerate(sources) if t is not None and t is arg.base)
+                self._slots.append((position, source, arg.shape, arg.strides, arg.block_shape, arg.layout))
+        self._descriptor = TensorDescriptor
+
+    def __call__(self, later: PrefillProblem, config: TileConfig) -> Optional[tuple]:
+        """The arguments for ``later``, or None when an address lost TMA's 16-byte alignment."""
+        sources = _descriptor_sources(later)
+        args = _plain_tensors(later)
+        for position, source, shape, strides, block, layout in self._slots:
+            tensor = sources[source]
+            ptr = tensor.data_ptr()
+            last = self._last.get(position)
+            if last is None or last[0] != ptr:
+                if ptr % 16:
+                    return None
+                last = (ptr, self._descriptor(_Address(ptr, tensor.dtype), shape, strides, block, layout))
+                self._last[position] = last
+            args[position] = last[1]
+        return tuple(args)
+
+
 def bind_hopper(problem: PrefillProblem, config: TileConfig, shape: ProblemShape, schedule: Optional[dict] = None):
-    """Launch ``problem`` and return ``launch(later_problem) -> bool`` for later calls with its signature
-    (TMA descriptors are rebuilt per call: they hold the tensors' addresses), or None when nothing was
-    launched."""
+    """Launch ``problem`` and return ``launch(later_problem) -> bool`` for later calls with its signature, or
+    None when nothing was launched. Later calls rebuild only the TMA descriptors whose tensor moved."""
     from .kernel import hopper_prefill_kernel
 
     call = kernel_call(problem, config, shape, schedule)
@@ -211,12 +275,10 @@ def bind_hopper(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
     with device_guard(device):
         compiled = hopper_prefill_kernel[call.grid](*call.args, **call.kwargs)
     bound = BoundLaunch(compiled, call, device, kernel=hopper_prefill_kernel)
+    arguments = _Arguments(problem, call.tensors)
 
     def launch(later: PrefillProblem) -> bool:
-        # Shapes and strides are those of the signature; only an address can have lost TMA's 16-byte alignment.
-        c = later.cache
-        if any(t is not None and t.data_ptr() % 16 for t in (c.key, c.value, later.k, later.v)):
-            return False
-        return bound(call_tensors(later, config))
+        tensors = arguments(later, config)
+        return tensors is not None and bound(tensors)
 
     return launch
