@@ -9,6 +9,7 @@ from pagedprefill.device import interpreter_enabled
 from pagedprefill.testing.fuzz import (
     GPU_HEAD_SIZES,
     FuzzGenerator,
+    FuzzResult,
     FuzzSizes,
     ProgressPrinter,
     kernel_variant_key,
@@ -131,6 +132,19 @@ def test_progress_lines_come_at_least_every_interval():
     progress = [line for line in lines if line.startswith("fuzz: ")]
     assert len(progress) == 5 and progress[-1].startswith("fuzz: 5/5 cases")
     assert any(line.startswith("FAIL case ") and "--case" in line for line in lines)
+
+
+def test_progress_lines_keep_coming_while_a_case_runs_long():
+    """A case longer than the interval (a kernel compiling on a GPU) still gets progress lines, from the
+    printer's background thread."""
+    import time as clock
+
+    lines = []
+    with ProgressPrinter(2, lines.append, every_s=0.2) as printer:
+        clock.sleep(0.7)  # the first case, running long
+        printer(1, FuzzResult(backend="x", device="cpu", seed=0, cases=1))
+    running = [line for line in lines if "still running" in line]
+    assert len(running) >= 2 and running[0].startswith("fuzz: 0/2 cases, case 0 still running")
 
 
 def test_gpu_fuzz_case_840_small_fp8_output_scale(pagedprefill_device):

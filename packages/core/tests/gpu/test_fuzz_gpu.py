@@ -17,8 +17,8 @@ def test_fuzz_matches_reference(gpu, gpu_backend, pagedprefill_fuzz, terminal_li
     sizes = FuzzSizes.gpu()
     terminal_line(f"fuzz: backend={gpu_backend.name} device={gpu} cases={pagedprefill_fuzz} seed=0, "
                   f"{sizes.keys} compile keys")
-    result = run_fuzz(gpu_backend, gpu, cases=pagedprefill_fuzz, seed=0, sizes=sizes,
-                      progress=ProgressPrinter(pagedprefill_fuzz, terminal_line))
+    with ProgressPrinter(pagedprefill_fuzz, terminal_line) as printer:  # lines even during long compiles
+        result = run_fuzz(gpu_backend, gpu, cases=pagedprefill_fuzz, seed=0, sizes=sizes, progress=printer)
     terminal_line(f"{result.details()}\n{result.summary()}")
     assert result.cases == pagedprefill_fuzz
     assert not result.failures, "\n".join(f.one_line() for f in result.failures[:20])

@@ -48,6 +48,7 @@ import dataclasses
 import math
 import random
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
@@ -550,24 +551,54 @@ def run_fuzz(
 
 class ProgressPrinter:
     """A ``progress`` callback for :func:`run_fuzz`: a line at least every ``every_s`` seconds (and after the
-    last case), and each failure's one-line reproducer as soon as it happens. ``write`` prints one line."""
+    last case), and each failure's one-line reproducer as soon as it happens. ``write`` prints one line.
+
+    Used as a context manager it also keeps the lines coming while one case takes longer than ``every_s`` (a
+    kernel compiling, say): a background thread then says which case is running and for how long.
+    """
 
     def __init__(self, total: int, write: Callable[[str], None] = None, every_s: float = 15.0):
         self.total = total
         self.write = write or (lambda line: print(line, flush=True))
         self.every_s = every_s
         self._last = time.perf_counter()
+        self._started = self._last
         self._failures = 0
+        self._done = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def _line(self, line: str) -> None:
+        with self._lock:
+            self._last = time.perf_counter()
+            self.write(line)
 
     def __call__(self, done: int, result: FuzzResult) -> None:
+        self._done = done
         for failure in result.failures[self._failures:]:
-            self.write(failure.one_line())
+            self._line(failure.one_line())
         self._failures = len(result.failures)
-        now = time.perf_counter()
-        if now - self._last >= self.every_s or done == self.total:
-            self._last = now
-            self.write(f"fuzz: {done}/{self.total} cases, {len(result.failures)} failures, "
+        if time.perf_counter() - self._last >= self.every_s or done == self.total:
+            self._line(f"fuzz: {done}/{self.total} cases, {len(result.failures)} failures, "
                        f"{result.unsupported} unsupported, {result.seconds:.0f} s")
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.every_s / 4):
+            if time.perf_counter() - self._last >= self.every_s:
+                self._line(f"fuzz: {self._done}/{self.total} cases, case {self._done} still running "
+                           f"(compiling or computing), {time.perf_counter() - self._started:.0f} s")
+
+    def __enter__(self) -> ProgressPrinter:
+        self._started = self._last = time.perf_counter()
+        self._thread = threading.Thread(target=self._heartbeat, name="fuzz-progress", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 # -- command line ---------------------------------------------------------------------------------------------
@@ -607,8 +638,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     total = len(args.case) if args.case else args.cases
     print(f"fuzz: backend={backend.name} device={device} cases={total} seed={args.seed} sizes={sizes}", flush=True)
-    printer = ProgressPrinter(total, every_s=args.every)
-    result = run_fuzz(backend, device, args.cases, args.seed, sizes, progress=printer, only=args.case)
+    with ProgressPrinter(total, every_s=args.every) as printer:
+        result = run_fuzz(backend, device, args.cases, args.seed, sizes, progress=printer, only=args.case)
     for failure in result.failures:
         print(f"FAIL {failure.describe()}", flush=True)
     print(result.details())
