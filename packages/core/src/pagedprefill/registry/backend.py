@@ -9,7 +9,6 @@ from ..errors import BackendUnavailableError, UnsupportedFeatureError
 from ..tiling import ProblemShape, TileConfig, TilingPolicy
 from ..types import PrefillProblem
 
-
 __all__ = ["Backend", "BackendUnavailableError", "UnsupportedFeatureError"]  # the errors: re-exported
 
 
