@@ -5,7 +5,7 @@ import dataclasses
 import pagedprefill as pp
 import pytest
 import torch
-from pagedprefill import api, plans
+from pagedprefill import api, plans, runtime
 from pagedprefill.testing import BatchSpec, fresh_output, make_problem
 
 SPEC = BatchSpec(query_lens=(5, 3), context_lens=(9, 17), num_heads=4, num_kv_heads=2, head_size=32, block_size=8)
@@ -30,13 +30,13 @@ class Counting(pp.Backend):
 def counting(monkeypatch):
     backend = Counting()
     calls = {"validate": 0}
-    original = api.validate_problem
+    original = runtime.validate_problem
 
     def counted(*args, **kwargs):
         calls["validate"] += 1
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(api, "validate_problem", counted)
+    monkeypatch.setattr(runtime, "validate_problem", counted)
     plans.forget()
     yield backend, calls
     plans.forget()

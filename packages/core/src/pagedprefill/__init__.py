@@ -36,15 +36,9 @@ from .api import (
 )
 from .cache import allocate_cache, fp8_scale_for, gather_kv, quantize_fp8, write_to_cache
 from .device import DeviceInfo
+from .errors import BackendUnavailableError, UnsupportedFeatureError
 from .reference_impl import reference_prefill
-from .registry import (
-    ENTRY_POINT_GROUP,
-    ENV_BACKEND,
-    Backend,
-    BackendUnavailableError,
-    UnsupportedFeatureError,
-    hookimpl,
-)
+from .registry import ENTRY_POINT_GROUP, ENV_BACKEND, Backend, hookimpl
 from .tiling import ProblemShape, TileConfig, TilingPolicy
 from .types import AttentionOptions, BatchMetadata, KVCacheDType, KVLayout, PagedKVCache, PrefillProblem
 from .validation import validate_problem

@@ -1,4 +1,4 @@
-"""The two public entry points and the dispatch they share.
+"""The public entry points.
 
 * :func:`context_attention_fwd`: drop-in for the classic prefix-prefill function (positional signature and
   semantics kept; writes ``o``), with keyword extras.
@@ -8,20 +8,26 @@
 
 All build a :class:`PrefillProblem`, validate it, pick a backend for the tensors' device and run it. While
 ``torch.compile`` traces them they call the custom operator ``torch.ops.pagedprefill.prefill_attention_``
-instead (one graph node, no graph break; see :mod:`pagedprefill.ops`), which runs the same dispatch.
+instead (one graph node, no graph break; see :mod:`pagedprefill.ops`), which runs the same dispatch
+(:mod:`pagedprefill.runtime`, which also holds the registry functions re-exported here).
 """
 
 from __future__ import annotations
 
-import threading
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
-from . import plans
-from .device import DeviceInfo, DeviceLike
-from .features import check_features
-from .registry import Backend, Registry
+from . import ops
+from .runtime import (  # re-exported: these have always been importable from here
+    BackendChoice,
+    _new_output,
+    available_backends,
+    dispatch,
+    get_registry,
+    reset_registry,
+    select_backend,
+)
 from .types import (
     AttentionOptions,
     BatchMetadata,
@@ -35,85 +41,11 @@ from .validation import (
     ArgumentNames,
     ValidateMode,
     argument_names_key,
-    validate_problem,
     validate_tensors,
-    validate_values,
 )
 
-BackendChoice = Union[str, Backend, None]
-
-_registry: Optional[Registry] = None
-_registry_lock = threading.Lock()
-
-
-def get_registry() -> Registry:
-    """The process-wide registry: core's reference backend plus every installed plugin."""
-    global _registry
-    if _registry is None:
-        with _registry_lock:
-            if _registry is None:
-                from .backends import reference
-
-                _registry = Registry(builtins=[reference])
-    return _registry
-
-
-def reset_registry() -> None:
-    """Forget discovered plugins and cached choices (plugins are discovered again on next use)."""
-    global _registry
-    with _registry_lock:
-        _registry = None
-    plans.forget()
-
-
-def select_backend(device: Union[DeviceLike, DeviceInfo] = None, backend: BackendChoice = None) -> Backend:
-    """The backend that runs on ``device`` (default: the current device), following the selection rules.
-
-    ``device`` may be a torch device (or index/string) or a hand-written :class:`DeviceInfo`.
-    Raises :class:`~pagedprefill.BackendUnavailableError` with every backend's reasons when none fits.
-    """
-    info = device if isinstance(device, DeviceInfo) else DeviceInfo.detect(device)
-    return get_registry().select(info, backend)
-
-
-def available_backends() -> list[Backend]:
-    """Every discovered backend, highest priority first (whether or not it supports this device)."""
-    return get_registry().backends()
-
-
-def dispatch(problem: PrefillProblem, backend: BackendChoice = None, validate: ValidateMode = "basic",
-             names: ArgumentNames = NATIVE_NAMES) -> torch.Tensor:
-    """Validate ``problem``, run it on the chosen backend, and return ``problem.out``.
-
-    ``names`` is how errors name the arguments (the native names by default; ``DROP_IN_NAMES`` for
-    :func:`context_attention_fwd`, ``VLLM_NAMES`` for :func:`pagedprefill.vllm.context_attention_fwd`).
-    A backend that reads the metadata on the host anyway (the reference) gets the ``"full"`` value checks
-    even with ``validate="basic"``. A backend refuses optional features it does not list in
-    ``supported_features`` (:mod:`pagedprefill.features`).
-    """
-    signature = None
-    if validate == "basic":
-        # A call like an earlier one (same shapes, strides, dtypes, options) repeats its decisions: launch.
-        signature = plans.call_signature(problem, backend, names)
-        plan = plans.lookup(signature)
-        if plan is not None and plan(problem):
-            return problem.out
-    validate_problem(problem, validate, names)
-    info = DeviceInfo.detect(problem.device)
-    chosen = get_registry().select(info, backend)
-    host_checks = getattr(chosen, "reads_metadata_on_host", False)
-    if validate == "basic" and host_checks:
-        try:
-            validate_values(problem, names)
-        except ValueError as exc:
-            raise ValueError(f"{exc} (pass validate='full' to have every backend check this before running)") \
-                from None
-    check_features(chosen, problem)
-    chosen.check_problem(problem, info)
-    plan = chosen.bind(problem, info)
-    if signature is not None and not host_checks:
-        plans.remember(signature, plan)
-    return problem.out
+__all__ = ["BackendChoice", "available_backends", "context_attention_fwd", "dispatch", "get_registry",
+           "prefill_attention", "reset_registry", "select_backend"]
 
 
 def _backend_name(backend: BackendChoice) -> str:
@@ -127,22 +59,12 @@ def _run(problem: PrefillProblem, backend: BackendChoice, validate: ValidateMode
     """:func:`dispatch`, or while ``torch.compile`` traces, the in-place custom operator (same dispatch at
     run time, no data-dependent Python in the traced graph; its errors name the same arguments)."""
     if torch.compiler.is_compiling():
-        from . import ops
-
         validate_tensors(problem, names)  # names the caller's arguments; the operator checks options
         tensors, kwargs = ops.op_arguments(problem, _backend_name(backend))
         torch.ops.pagedprefill.prefill_attention_(*tensors[:3], problem.out, *tensors[3:], validate=validate,
                                                    argument_names=argument_names_key(names), **kwargs)
         return problem.out
     return dispatch(problem, backend=backend, validate=validate, names=names)
-
-
-def _new_output(q: torch.Tensor, fp8_out_scale, skip_decode: bool) -> torch.Tensor:
-    """The output tensor allocated when the caller passes none (zeros where rows may stay unwritten)."""
-    dtype = torch.float8_e4m3fn if fp8_out_scale is not None else q.dtype
-    if skip_decode:
-        return torch.zeros(q.shape, dtype=dtype, device=q.device)
-    return torch.empty(q.shape, dtype=dtype, device=q.device)
 
 
 def prefill_attention(

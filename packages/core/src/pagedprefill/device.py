@@ -103,7 +103,9 @@ class DeviceInfo:
 
         Asks the installed backends' ``pagedprefill_detect_device`` hooks through the process-wide registry.
         """
-        from .api import get_registry  # the registry imports this module
+        # Deferred: the process-wide registry sits layers above this module and imports it (a value type every
+        # layer uses); the lookup is needed only when a description is read from the runtime.
+        from .runtime import get_registry
 
         return get_registry().detect_device(normalise(device))
 

@@ -8,7 +8,7 @@ conformance suite) before a backend runs.
 
 from __future__ import annotations
 
-from .registry import UnsupportedFeatureError
+from .errors import UnsupportedFeatureError
 from .types import FEATURES, PrefillProblem
 
 __all__ = ["FEATURES", "FEATURE_DESCRIPTIONS", "check_features", "missing_features"]

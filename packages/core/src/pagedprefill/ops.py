@@ -81,7 +81,7 @@ from typing import Optional
 
 import torch
 
-from .api import _new_output, dispatch
+from .runtime import _new_output, dispatch
 from .types import KVLayout, PrefillProblem
 from .validation import ARGUMENT_NAMES, ArgumentNames, validate_problem
 

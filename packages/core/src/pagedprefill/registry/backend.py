@@ -5,16 +5,11 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from ..device import DeviceInfo
+from ..errors import BackendUnavailableError, UnsupportedFeatureError
 from ..tiling import ProblemShape, TileConfig, TilingPolicy
 from ..types import PrefillProblem
 
-
-class BackendUnavailableError(RuntimeError):
-    """No backend (or not the requested one) can run on the device; the message says why."""
-
-
-class UnsupportedFeatureError(ValueError):
-    """The selected backend cannot compute this call (a feature its hardware lacks); names alternatives."""
+__all__ = ["Backend", "BackendUnavailableError", "UnsupportedFeatureError"]  # the errors: re-exported
 
 
 class Backend:

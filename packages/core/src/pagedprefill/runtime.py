@@ -1,0 +1,107 @@
+"""The process-wide registry and the dispatch every entry point runs.
+
+:func:`dispatch` validates a :class:`PrefillProblem`, selects a backend for its device and runs it (or
+replays the launch plan of an earlier call with the same signature, :mod:`pagedprefill.plans`). The public
+functions (:mod:`pagedprefill.api`, :mod:`pagedprefill.vllm`) and the custom operators
+(:mod:`pagedprefill.ops`) all end here; this module imports neither of them, so the operators can sit below
+the public functions (see docs/architecture.md, "Layers").
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional, Union
+
+import torch
+
+from . import plans
+from .device import DeviceInfo, DeviceLike
+from .features import check_features
+from .registry import Backend, Registry
+from .types import PrefillProblem
+from .validation import NATIVE_NAMES, ArgumentNames, ValidateMode, validate_problem, validate_values
+
+__all__ = ["BackendChoice", "available_backends", "dispatch", "get_registry", "reset_registry", "select_backend"]
+
+BackendChoice = Union[str, Backend, None]
+
+_registry: Optional[Registry] = None
+_registry_lock = threading.Lock()
+
+
+def get_registry() -> Registry:
+    """The process-wide registry: core's reference backend plus every installed plugin."""
+    global _registry
+    if _registry is None:
+        with _registry_lock:
+            if _registry is None:
+                from .backends import reference
+
+                _registry = Registry(builtins=[reference])
+    return _registry
+
+
+def reset_registry() -> None:
+    """Forget discovered plugins and cached choices (plugins are discovered again on next use)."""
+    global _registry
+    with _registry_lock:
+        _registry = None
+    plans.forget()
+
+
+def select_backend(device: Union[DeviceLike, DeviceInfo] = None, backend: BackendChoice = None) -> Backend:
+    """The backend that runs on ``device`` (default: the current device), following the selection rules.
+
+    ``device`` may be a torch device (or index/string) or a hand-written :class:`DeviceInfo`.
+    Raises :class:`~pagedprefill.BackendUnavailableError` with every backend's reasons when none fits.
+    """
+    info = device if isinstance(device, DeviceInfo) else DeviceInfo.detect(device)
+    return get_registry().select(info, backend)
+
+
+def available_backends() -> list[Backend]:
+    """Every discovered backend, highest priority first (whether or not it supports this device)."""
+    return get_registry().backends()
+
+
+def dispatch(problem: PrefillProblem, backend: BackendChoice = None, validate: ValidateMode = "basic",
+             names: ArgumentNames = NATIVE_NAMES) -> torch.Tensor:
+    """Validate ``problem``, run it on the chosen backend, and return ``problem.out``.
+
+    ``names`` is how errors name the arguments (the native names by default; ``DROP_IN_NAMES`` for
+    :func:`context_attention_fwd`, ``VLLM_NAMES`` for :func:`pagedprefill.vllm.context_attention_fwd`).
+    A backend that reads the metadata on the host anyway (the reference) gets the ``"full"`` value checks
+    even with ``validate="basic"``. A backend refuses optional features it does not list in
+    ``supported_features`` (:mod:`pagedprefill.features`).
+    """
+    signature = None
+    if validate == "basic":
+        # A call like an earlier one (same shapes, strides, dtypes, options) repeats its decisions: launch.
+        signature = plans.call_signature(problem, backend, names)
+        plan = plans.lookup(signature)
+        if plan is not None and plan(problem):
+            return problem.out
+    validate_problem(problem, validate, names)
+    info = DeviceInfo.detect(problem.device)
+    chosen = get_registry().select(info, backend)
+    host_checks = getattr(chosen, "reads_metadata_on_host", False)
+    if validate == "basic" and host_checks:
+        try:
+            validate_values(problem, names)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (pass validate='full' to have every backend check this before running)") \
+                from None
+    check_features(chosen, problem)
+    chosen.check_problem(problem, info)
+    plan = chosen.bind(problem, info)
+    if signature is not None and not host_checks:
+        plans.remember(signature, plan)
+    return problem.out
+
+
+def _new_output(q: torch.Tensor, fp8_out_scale, skip_decode: bool) -> torch.Tensor:
+    """The output tensor allocated when the caller passes none (zeros where rows may stay unwritten)."""
+    dtype = torch.float8_e4m3fn if fp8_out_scale is not None else q.dtype
+    if skip_decode:
+        return torch.zeros(q.shape, dtype=dtype, device=q.device)
+    return torch.empty(q.shape, dtype=dtype, device=q.device)
