@@ -72,11 +72,10 @@ def check(info, backend) -> list[tuple]:
 
 #: Variants timed against each other: (label, tile changes, schedule).
 VARIANTS = [
-    ("hopper", {}, dict(OVERLAP=True, HEAVY_FIRST=True)),
-    ("no-overlap", {}, dict(OVERLAP=False, HEAVY_FIRST=True)),
-    ("in-order", {}, dict(OVERLAP=True, HEAVY_FIRST=False)),
-    ("n128-s2", dict(block_n=128, num_stages=2), dict(OVERLAP=True, HEAVY_FIRST=True)),
-    ("s4", dict(num_stages=4), dict(OVERLAP=True, HEAVY_FIRST=True)),
+    ("hopper", {}, dict(HEAVY_FIRST=True)),
+    ("in-order", {}, dict(HEAVY_FIRST=False)),
+    ("n128-s2", dict(block_n=128, num_stages=2), dict(HEAVY_FIRST=True)),
+    ("s4", dict(num_stages=4), dict(HEAVY_FIRST=True)),
 ]
 
 

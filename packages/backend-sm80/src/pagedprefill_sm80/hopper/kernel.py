@@ -12,9 +12,8 @@ head) pairs, ``HEADS_PER_TILE`` heads of one KV group packed together), with the
   consumers are done);
 * the **consumer** warpgroups run ``S = Q K^T`` and ``O += P V`` as warpgroup MMAs straight from shared
   memory and the online softmax in registers, never waiting for a load the producer could have issued
-  earlier, and with no CTA-wide barrier in the key loop. With ``OVERLAP`` the next tile's ``Q K^T`` is
-  issued before this tile's softmax, so the tensor cores work through it; with ``HEAVY_FIRST`` each
-  sequence's last query tiles (the most keys under a causal mask) are scheduled first.
+  earlier, and with no CTA-wide barrier in the key loop. With ``HEAVY_FIRST`` each sequence's last query
+  tiles (the most keys under a causal mask) are scheduled first.
 
 Both roles walk the same schedule (:func:`_key_tiles`): the cached prefix from the first tile the window
 reaches, then the new tokens up to the causal diagonal. Every TMA box is bounds-checked by the hardware
@@ -44,7 +43,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
-    warpgroup_mma_wait,
 )
 
 
@@ -159,7 +157,7 @@ def _producer(k_cache, v_cache, k_new, v_new, v_cache_t, split_keys, k_smem, v_s
 
 
 @gluon.jit
-def _wait_tile(ready, it, from_cache, SPLIT: gl.constexpr, STAGES: gl.constexpr = 1):
+def _wait_tile(ready, it, from_cache, SPLIT: gl.constexpr, STAGES: gl.constexpr):
     """Wait until key tile ``it`` has landed in its buffer. Keys the producer wrote with asynchronous copies
     (split-layout cache tiles) are ordinary shared-memory writes: fenced before the MMA's reads."""
     mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
@@ -219,7 +217,7 @@ def _consumer(q_smem, k_smem, v_smem, vt_smem, ready, empty, Out, out_scale_ptr,
               NUM_WARPS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
               ALIBI: gl.constexpr, SINKS: gl.constexpr, NEW_KV_IN_CACHE: gl.constexpr,
               OUT_SCALE: gl.constexpr, OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr,
-              OVERLAP: gl.constexpr, SPLIT: gl.constexpr):
+              SPLIT: gl.constexpr):
     """Consume the ring: scores, online softmax and ``P V`` per key tile; then normalise and store."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -244,58 +242,24 @@ def _consumer(q_smem, k_smem, v_smem, vt_smem, ready, empty, Out, out_scale_ptr,
     else:
         kv_len = ctx_len
 
-    total = cache_tiles + new_tiles
-    if OVERLAP:
-        # The next tile's Q K^T is issued before this tile's softmax, so the tensor cores work through it.
-        # The last iteration issues a spare product on its own (still held) buffer instead of a conditional one.
-        scores = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        if total > 0:
-            _wait_tile(ready, 0, 0 < cache_tiles, SPLIT)
-            scores = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), scores, use_acc=False)
-        for it in range(total):
-            s = it % STAGES
-            has_next = it + 1 < total
-            s_next = gl.where(has_next, (it + 1) % STAGES, s)
-            if has_next:
-                _wait_tile(ready, it + 1, it + 1 < cache_tiles, SPLIT, STAGES)
-            next_token = warpgroup_mma(q_smem, k_smem.index(s_next).permute((1, 0)),
-                                       gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False,
-                                       is_async=True)
-            p_op, alpha, m_i, l_i = _softmax_tile(
-                scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap, qk_scale,
-                cache_start, cache_tiles, new_start, pos_first, full_from, p_layout, q_smem.dtype, BLOCK_N, CAUSAL,
-                WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            if SPLIT:
-                # Cached values arrive transposed (V^T pages) in their own ring, new tokens' values as rows.
-                if it < cache_tiles:
-                    acc = warpgroup_mma(p_op, vt_smem.index(s).permute((1, 0)), acc)
-                else:
-                    acc = warpgroup_mma(p_op, v_smem.index(s), acc)
-                scores = warpgroup_mma_wait(0, deps=[next_token])
-            else:
-                acc_token = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
-                scores, acc = warpgroup_mma_wait(0, deps=[next_token, acc_token])
-            # Every consumer warp is past its MMAs before the buffer is handed back to the producer.
-            gl.thread_barrier()
-            mbarrier.arrive(empty.index(s), count=1)
-    else:
-        for it in range(total):
-            s = it % STAGES
-            _wait_tile(ready, it, it < cache_tiles, SPLIT, STAGES)
-            scores = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)),
-                                   gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False)
-            p_op, alpha, m_i, l_i = _softmax_tile(
-                scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap, qk_scale,
-                cache_start, cache_tiles, new_start, pos_first, full_from, p_layout, q_smem.dtype, BLOCK_N, CAUSAL,
-                WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            if SPLIT and it < cache_tiles:
-                acc = warpgroup_mma(p_op, vt_smem.index(s).permute((1, 0)), acc)
-            else:
-                acc = warpgroup_mma(p_op, v_smem.index(s), acc)
-            gl.thread_barrier()
-            mbarrier.arrive(empty.index(s), count=1)
+    for it in range(cache_tiles + new_tiles):
+        s = it % STAGES
+        _wait_tile(ready, it, it < cache_tiles, SPLIT, STAGES)
+        scores = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)),
+                               gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False)
+        p_op, alpha, m_i, l_i = _softmax_tile(
+            scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap, qk_scale,
+            cache_start, cache_tiles, new_start, pos_first, full_from, p_layout, q_smem.dtype, BLOCK_N, CAUSAL,
+            WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        if SPLIT and it < cache_tiles:
+            # Cached values arrive transposed (V^T pages) in their own ring, new tokens' values as rows.
+            acc = warpgroup_mma(p_op, vt_smem.index(s).permute((1, 0)), acc)
+        else:
+            acc = warpgroup_mma(p_op, v_smem.index(s), acc)
+        # Every consumer warp is past its MMAs before the buffer is handed back to the producer.
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(s), count=1)
 
     sink2 = gl.zeros([BLOCK_M], gl.float32, row_o)
     if SINKS:
@@ -328,7 +292,7 @@ def hopper_prefill_kernel(
     HEADS_PER_TILE: gl.constexpr, HEAD_CHUNKS: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
     CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
     SKIP_DECODE: gl.constexpr, NEW_KV_IN_CACHE: gl.constexpr, OUT_SCALE: gl.constexpr,
-    OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr, OVERLAP: gl.constexpr, HEAVY_FIRST: gl.constexpr,
+    OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr, HEAVY_FIRST: gl.constexpr,
     SPLIT: gl.constexpr, X: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """Prefix-prefill attention of one query tile on sm90 (see the module docstring).
@@ -407,7 +371,7 @@ def hopper_prefill_kernel(
                      head, row_ok, q_pos, q_rows, ctx_len, q_len, window, softcap, qk_scale, out_scale,
                      stride_ot, stride_oh, cache_start, cache_tiles, new_start, new_tiles, ctx_len + tok0, full_from,
                      HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES, NUM_WARPS, CAUSAL, WINDOW, SOFTCAP, ALIBI, SINKS,
-                     NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, OVERLAP, SPLIT)),
+                     NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT)),
         (_producer, (k_cache, v_cache, k_new, v_new, v_cache_t, (K_cache, stride_kb, stride_kh, stride_kd), k_smem,
                      v_smem, vt_smem, ready, empty, table_row, table_width, num_blocks, kv_head, seq_row0,
                      v_rows_per_block, cache_start, cache_tiles, new_start, new_tiles,

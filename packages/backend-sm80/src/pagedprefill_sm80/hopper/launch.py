@@ -153,12 +153,11 @@ def _plain_tensors(p: PrefillProblem) -> list:
             out_scale if isinstance(out_scale, torch.Tensor) else q]
 
 
-#: How the consumers schedule their MMAs and the grid its tiles (constexprs of the kernel): ``OVERLAP`` issues
-#: the next tile's Q K^T before this tile's softmax; ``HEAVY_FIRST`` runs each sequence's last query tiles
-#: first. On the H200 (2026-11-30, ci/gpu/hopper_check.py, 4 bench workloads x 2 layouts) the overlapped
-#: schedule was 3-12% slower than the plain one on every row, and heaviest-first at least as fast as index
-#: order on every row (up to 4% faster): docs/performance.md, run 3.
-SCHEDULE = dict(OVERLAP=False, HEAVY_FIRST=True)
+#: How the grid orders its tiles (a constexpr of the kernel): ``HEAVY_FIRST`` runs each sequence's last query
+#: tiles first. On the H200 (2026-11-30, ci/gpu/hopper_check.py, 4 bench workloads x 2 layouts) that was at
+#: least as fast as index order on every row (up to 4% faster): docs/performance.md, run 3. (Issuing the next
+#: tile's Q K^T before this tile's softmax measured 3-12% slower there and is not kept.)
+SCHEDULE = dict(HEAVY_FIRST=True)
 
 
 def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape,
