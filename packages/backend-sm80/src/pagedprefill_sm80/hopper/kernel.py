@@ -29,10 +29,11 @@ from pagedprefill.triton.blocks import (
     LOG2E,
     aligned,
     finish_rows,
-    locate_tile,
     round_to_fp8_e4m3,
     scalar_or_load,
     soft_cap,
+    tile_rows,
+    tile_sequence,
     visible,
 )
 from triton.experimental import gluon
@@ -310,13 +311,8 @@ def hopper_prefill_kernel(
         # Programs start in index order: the last tiles of each sequence (the most keys under a causal mask)
         # go first, so the lightest ones fill the end of the launch.
         tile = gl.num_programs(0) - 1 - tile
-    seq, tok0 = locate_tile(tile, query_start, num_seqs, TOKENS_PER_TILE)
-    seq_row0 = gl.load(query_start + seq)
-    ctx_len = gl.load(ctx_lens + seq)
-    q_len = gl.load(seq_lens + seq) - ctx_len
-    done = tok0 >= q_len
-    if SKIP_DECODE:
-        done = done | (q_len == 1)  # single-token rows belong to a decode kernel: left untouched
+    seq, tok0, seq_row0, ctx_len, q_len, done = tile_sequence(tile, query_start, seq_lens, ctx_lens, num_seqs,
+                                                              TOKENS_PER_TILE, SKIP_DECODE)
     if done:
         return
     kv_head = gl.program_id(1) // HEAD_CHUNKS
@@ -326,13 +322,8 @@ def hopper_prefill_kernel(
     load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
     offs_m = gl.arange(0, BLOCK_M, gl.SliceLayout(1, load_layout))
     offs_d = gl.arange(0, HEAD_SIZE, gl.SliceLayout(0, load_layout))
-    tok = tok0 + offs_m // HEADS_PER_TILE
-    head_in_group = chunk * HEADS_PER_TILE + offs_m % HEADS_PER_TILE
-    head = kv_head * group_size + head_in_group
-    q_rows = seq_row0 + tok
-    row_ok = (offs_m < TOKENS_PER_TILE * HEADS_PER_TILE) & (tok < q_len) & (head_in_group < group_size)
-    row_ok = row_ok & (q_rows >= 0) & (q_rows < num_tokens)
-    q_pos = gl.where(row_ok, ctx_len + tok, -1)
+    head, q_rows, row_ok, q_pos = tile_rows(offs_m, tok0, kv_head, chunk, group_size, seq_row0, ctx_len, q_len,
+                                            num_tokens, HEADS_PER_TILE, TOKENS_PER_TILE)
     q_off = (gl.expand_dims(q_rows.to(gl.int64) * stride_qt + head.to(gl.int64) * stride_qh, 1)
              + gl.expand_dims(offs_d, 0))
     q = gl.load(Q + q_off, mask=gl.expand_dims(row_ok, 1), other=0.0)

@@ -44,6 +44,46 @@ def locate_tile(tile, query_start_ptr, num_seqs, TOKENS_PER_TILE: tl.constexpr):
 
 
 @triton.jit
+def tile_sequence(tile, query_start_ptr, seq_lens_ptr, ctx_lens_ptr, num_seqs, TOKENS_PER_TILE: tl.constexpr,
+                  SKIP_DECODE: tl.constexpr):
+    """The sequence of a tile and its lengths: ``(seq, tok0, seq_row0, ctx_len, q_len, done)``.
+
+    ``tok0`` is the tile's first token within the sequence, ``seq_row0`` the sequence's first row in q/o;
+    ``done`` says the tile has nothing to compute (past its sequence's tokens, or a single-token decode
+    sequence when ``SKIP_DECODE``: those rows belong to a decode kernel and are left untouched).
+    """
+    seq, tok0 = locate_tile(tile, query_start_ptr, num_seqs, TOKENS_PER_TILE)
+    seq_row0 = tl.load(query_start_ptr + seq)
+    ctx_len = tl.load(ctx_lens_ptr + seq)
+    q_len = tl.load(seq_lens_ptr + seq) - ctx_len
+    done = tok0 >= q_len
+    if SKIP_DECODE:
+        done = done | (q_len == 1)
+    return seq, tok0, seq_row0, ctx_len, q_len, done
+
+
+@triton.jit
+def tile_rows(offs_m, tok0, kv_head, chunk, group_size, seq_row0, ctx_len, q_len, num_tokens,
+              HEADS_PER_TILE: tl.constexpr, TOKENS_PER_TILE: tl.constexpr):
+    """What each row ``offs_m`` of a tile is: ``(head, q_rows, row_ok, q_pos)``.
+
+    Row ``m`` is token ``tok0 + m // HEADS_PER_TILE`` of the sequence and query head ``m % HEADS_PER_TILE`` of
+    this program's chunk of the KV group; ``q_rows`` is its row in q/o, ``row_ok`` whether it exists (rows past
+    the packed heads, the sequence's tokens, the group or q itself do not), ``q_pos`` its key position (-1 when
+    it does not exist).
+    """
+    tok = tok0 + offs_m // HEADS_PER_TILE
+    head_in_group = chunk * HEADS_PER_TILE + offs_m % HEADS_PER_TILE
+    head = kv_head * group_size + head_in_group
+    q_rows = seq_row0 + tok
+    # Rows past TOKENS_PER_TILE * HEADS_PER_TILE (when the packed heads do not divide BLOCK_M) belong to no token.
+    row_ok = (offs_m < TOKENS_PER_TILE * HEADS_PER_TILE) & (tok < q_len) & (head_in_group < group_size)
+    row_ok = row_ok & (q_rows >= 0) & (q_rows < num_tokens)
+    q_pos = tl.where(row_ok, ctx_len + tok, -1)
+    return head, q_rows, row_ok, q_pos
+
+
+@triton.jit
 def aligned(stride, ALIGN: tl.constexpr):
     """``stride``, known by the launcher to be a multiple of ``ALIGN`` elements, said so to the compiler.
 

@@ -21,7 +21,6 @@ from .blocks import (
     finish_rows,
     load_keys,
     load_values,
-    locate_tile,
     logits,
     new_kv_offsets,
     online_softmax_step,
@@ -29,6 +28,8 @@ from .blocks import (
     scalar_or_load,
     split_range,
     tile_pages,
+    tile_rows,
+    tile_sequence,
     visible,
 )
 
@@ -117,13 +118,8 @@ def prefix_prefill_kernel(
 ):
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // HEADS_PER_TILE
     EVEN_D: tl.constexpr = HEAD_SIZE == HEAD_SIZE_PADDED
-    seq, tok0 = locate_tile(tl.program_id(0), query_start, num_seqs, TOKENS_PER_TILE)
-    seq_row0 = tl.load(query_start + seq)
-    ctx_len = tl.load(ctx_lens + seq)
-    q_len = tl.load(seq_lens + seq) - ctx_len
-    done = tok0 >= q_len
-    if SKIP_DECODE:
-        done = done | (q_len == 1)  # single-token rows belong to a decode kernel: left untouched
+    seq, tok0, seq_row0, ctx_len, q_len, done = tile_sequence(tl.program_id(0), query_start, seq_lens, ctx_lens,
+                                                              num_seqs, TOKENS_PER_TILE, SKIP_DECODE)
     if done:
         return
     kv_head = tl.program_id(1) // HEAD_CHUNKS
@@ -132,14 +128,8 @@ def prefix_prefill_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_SIZE_PADDED)
     d_mask = offs_d < HEAD_SIZE
-    tok = tok0 + offs_m // HEADS_PER_TILE
-    head_in_group = chunk * HEADS_PER_TILE + offs_m % HEADS_PER_TILE
-    head = kv_head * group_size + head_in_group
-    q_rows = seq_row0 + tok
-    # Rows past TOKENS_PER_TILE * HEADS_PER_TILE (when the packed heads do not divide BLOCK_M) belong to no token.
-    row_ok = (offs_m < TOKENS_PER_TILE * HEADS_PER_TILE) & (tok < q_len) & (head_in_group < group_size)
-    row_ok = row_ok & (q_rows >= 0) & (q_rows < num_tokens)
-    q_pos = tl.where(row_ok, ctx_len + tok, -1)
+    head, q_rows, row_ok, q_pos = tile_rows(offs_m, tok0, kv_head, chunk, group_size, seq_row0, ctx_len, q_len,
+                                            num_tokens, HEADS_PER_TILE, TOKENS_PER_TILE)
 
     q_off = q_rows.to(tl.int64)[:, None] * stride_qt + head.to(tl.int64)[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(Q + q_off, mask=row_ok[:, None] & d_mask[None, :], other=0.0)
