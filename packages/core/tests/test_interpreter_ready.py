@@ -14,6 +14,7 @@ from pagedprefill import DeviceInfo, hookimpl
 from pagedprefill.backends.triton_base import TritonBackend
 from pagedprefill.device import interpreter_unready
 from pagedprefill.registry import Registry
+from test_cli import HIDE_NUMPY  # the import hook that makes numpy absent in a child process
 
 CPU = DeviceInfo(type="cpu", vendor="cpu", name="test cpu", triton_backend="interpreter")
 
@@ -91,18 +92,6 @@ def test_selection_passes_over_the_backend_and_says_why(installed, monkeypatch):
     assert not row.supported and "needs numpy" in row.reasons[0], row
 
 
-HIDE_NUMPY = '''
-import sys
-
-
-class _HideNumpy:
-    def find_spec(self, name, path=None, target=None):
-        if name == "numpy" or name.startswith("numpy."):
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-
-
-sys.meta_path.insert(0, _HideNumpy())
-'''
 
 
 @pytest.mark.skipif(importlib.util.find_spec("pagedprefill_generic") is None,
