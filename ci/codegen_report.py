@@ -28,7 +28,7 @@ import sys
 import time
 
 from pagedprefill.api import select_backend
-from pagedprefill.backends.triton_base import problem_shape
+from pagedprefill.backends.triton_base import spec_shape
 from pagedprefill.cli.info import described_devices
 from pagedprefill.triton.codegen import summarize
 from pagedprefill.workloads import default_suite, make_problem
@@ -73,10 +73,7 @@ def _report(quick: bool, devices, layouts, log) -> list[dict]:
         for workload in suite:
             for layout in layouts:
                 spec = workload.spec.replace(layout=layout)
-                shape = problem_shape(make_problem(small_twin(spec)))
-                # The policy sees the real batch's extents; the compiled code is the same for the twin.
-                shape = type(shape)(**{**shape.__dict__, "num_tokens": sum(spec.query_lens),
-                                       "num_seqs": len(spec.query_lens), "max_query_len": max(spec.query_lens)})
+                shape = spec_shape(spec, small_twin(spec))
                 config = backend.tile_config(shape, device)
                 started = time.perf_counter()
                 row = {"device": device_name, "backend": backend.name, "workload": workload.name,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from ..device import DeviceInfo, interpreter_enabled, interpreter_unready, triton_installed
@@ -28,6 +29,17 @@ def problem_shape(problem: PrefillProblem) -> ProblemShape:
         sliding_window=problem.options.sliding_window,
         layout=problem.cache.layout.value,
     )
+
+
+def spec_shape(spec, twin) -> ProblemShape:
+    """The shape a policy sees for the batch ``spec`` (a :class:`~pagedprefill.workloads.BatchSpec`), read off
+    ``twin``, a short batch of the same kind (the tensors are built at the twin's size), with the extents of
+    ``spec``'s own batch: the decisions depend on shapes, flags and extents, not on lengths."""
+    from ..workloads import make_problem
+
+    shape = problem_shape(make_problem(twin))
+    return dataclasses.replace(shape, num_tokens=sum(spec.query_lens), num_seqs=len(spec.query_lens),
+                               max_query_len=max(spec.query_lens))
 
 
 class TritonBackend(Backend):

@@ -64,18 +64,15 @@ def cmd_info(args) -> int:
 
 def _print_routes(backend, info: DeviceInfo) -> None:
     """The tile and kernel the chosen backend's policy picks for each workload of the bench suite."""
-    from ..backends.triton_base import problem_shape
-    from ..workloads import default_suite, make_problem
+    from ..backends.triton_base import spec_shape
+    from ..workloads import default_suite
 
     print(f"{backend.name}'s tiles and kernels for the bench suite (pagedprefill bench):")
     for workload in default_suite():
         for layout in ("split", "nhd"):
             spec = workload.spec.replace(layout=layout)
-            # The decision reads shapes only: a short twin of the batch (on the CPU) with the real extents.
             twin = spec.replace(query_lens=(3,) * len(spec.query_lens), context_lens=(5,) * len(spec.query_lens))
-            shape = problem_shape(make_problem(twin))
-            shape = type(shape)(**{**shape.__dict__, "num_tokens": sum(spec.query_lens),
-                                   "num_seqs": len(spec.query_lens), "max_query_len": max(spec.query_lens)})
+            shape = spec_shape(spec, twin)
             kernel, why = backend.kernel_choice(shape, info)
             config = backend.tile_config(shape, info)
             tile = "" if config is None else (f" {config.block_m}x{config.block_n} w{config.num_warps} "
