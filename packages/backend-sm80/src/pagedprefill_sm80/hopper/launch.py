@@ -15,6 +15,7 @@ import torch
 import triton
 from pagedprefill.accelerator import device_guard
 from pagedprefill.tiling import ProblemShape, TileConfig, launch_grid
+from pagedprefill.triton.blocks import LOG2E
 from pagedprefill.triton.launch import FP8_E4M3_MAX, BoundLaunch, KernelCall, _scale_arg
 from pagedprefill.types import KVLayout, PrefillProblem
 
@@ -172,7 +173,7 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
     opts = p.options
     group = H // p.num_kv_heads
     softcap = float(opts.softcap)
-    qk_scale = p.sm_scale if softcap > 0 else p.sm_scale * 1.4426950408889634
+    qk_scale = p.sm_scale if softcap > 0 else p.sm_scale * LOG2E.value  # the kernel's logits are log2-domain
     out_scale_value, out_from_ptr = _scale_arg(opts.fp8_out_scale, True)
     table = p.batch.block_table
     split = p.cache.layout is KVLayout.SPLIT
@@ -245,7 +246,7 @@ class _Arguments:
                 self._slots.append((position, source, arg.shape, arg.strides, arg.block_shape, arg.layout))
         self._descriptor = TensorDescriptor
 
-    def __call__(self, later: PrefillProblem, config: TileConfig) -> Optional[tuple]:
+    def __call__(self, later: PrefillProblem) -> Optional[tuple]:
         """The arguments for ``later``, or None when an address lost TMA's 16-byte alignment."""
         sources = _descriptor_sources(later)
         args = _plain_tensors(later)
@@ -277,7 +278,7 @@ def bind_hopper(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
     arguments = _Arguments(problem, call.tensors)
 
     def launch(later: PrefillProblem) -> bool:
-        tensors = arguments(later, config)
+        tensors = arguments(later)
         return tensors is not None and bound(tensors)
 
     return launch
