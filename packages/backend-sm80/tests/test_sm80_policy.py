@@ -8,13 +8,15 @@ from pagedprefill import DeviceInfo, select_backend
 from pagedprefill.tiling import ProblemShape, TileConfig
 from pagedprefill.tuning import forget_tables, table_key, user_table_path
 from pagedprefill_sm80 import Sm80Backend, sm80_policy
-from pagedprefill_sm80.policy import rule_config
+from pagedprefill_sm80.policy import KERNEL_ENV, hopper_config, rule_config
 
 
 @pytest.fixture(autouse=True)
 def _described_gpus_need_no_interpreter(monkeypatch):
-    """These tests describe GPUs; Triton's interpreter (set for the kernel tests) would veto every GPU."""
+    """These tests describe GPUs; Triton's interpreter (set for the kernel tests) would veto every GPU. The
+    kernel preference of the environment (a GPU run may force the Hopper kernel) is the default here."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
 
 
 def nvidia(cap, smem, name="NVIDIA X"):
@@ -58,7 +60,9 @@ def test_every_tile_fits_the_device(device, dtype, head_size, workload):
 
 
 def test_user_tuned_table_takes_precedence(tmp_path, monkeypatch):
+    """For the portable kernel's tiles (the ones ``pagedprefill tune`` measures)."""
     monkeypatch.setenv("PAGEDPREFILL_TUNE_DIR", str(tmp_path))
+    monkeypatch.setenv(KERNEL_ENV, "portable")
     shape = ProblemShape(128, 32, 8, torch.bfloat16, num_tokens=4096, num_seqs=4)
     before = sm80_policy(shape, H200)
     tuned = TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2, heads_per_tile=4)
@@ -70,6 +74,19 @@ def test_user_tuned_table_takes_precedence(tmp_path, monkeypatch):
     assert sm80_policy(shape, H200) == tuned
     other = ProblemShape(64, 32, 8, torch.bfloat16, num_tokens=4096, num_seqs=4)
     assert sm80_policy(other, H200) != tuned  # other keys still come from the rules
+
+
+def test_tuned_table_leaves_the_hopper_kernel_its_tile(tmp_path, monkeypatch):
+    """A tuned table holds portable-kernel tiles: where the Hopper kernel runs, it keeps its own tile."""
+    monkeypatch.setenv("PAGEDPREFILL_TUNE_DIR", str(tmp_path))
+    monkeypatch.setenv(KERNEL_ENV, "hopper")
+    shape = ProblemShape(128, 32, 8, torch.bfloat16, num_tokens=4096, num_seqs=4)
+    tuned = TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2, heads_per_tile=4)
+    path = user_table_path("sm80", H200)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"entries": {table_key(shape, H200): tuned.to_dict()}}))
+    forget_tables()
+    assert sm80_policy(shape, H200) == hopper_config(shape)
 
 
 def test_search_space_fits_and_is_declared():

@@ -15,7 +15,9 @@ so sm80 (163 KiB), sm86/sm89 (99 KiB) and sm90 (227 KiB) parts all get tiles the
 Which kernel runs the tile (:func:`choose_kernel`): on sm90, the warp-specialised Hopper kernel
 (:mod:`pagedprefill_sm80.hopper`) for the shapes it takes, when ``PAGEDPREFILL_SM80_KERNEL=hopper`` asks
 for it (``auto``, the default, keeps the portable kernel until the Hopper kernel has passed conformance on
-the GPU and won on the bench; ``portable`` forces core's kernel everywhere).
+the GPU and won on the bench; ``portable`` forces core's kernel everywhere). The kernel is chosen first:
+the tables above hold the portable kernel's tiles (the ones ``pagedprefill tune`` measures), and the
+Hopper kernel runs its own tile (:func:`hopper_config`) whatever they say.
 """
 
 from __future__ import annotations
