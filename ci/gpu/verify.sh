@@ -4,11 +4,12 @@
 #   core-gpu     core's GPU tests (CUDA graphs, torch.compile, determinism, several GPUs), one process, stopping
 #                at the first failure with its message;
 #   conformance  the conformance suites of all three backends (bi100's policy forced: it runs on any GPU),
-#                in parallel workers;
+#                in parallel workers; conformance=sm80,bi100 runs the named backends' suites only;
 #   fuzz=N       N random cases against the reference on the selected backend;
 #   bench        `pagedprefill bench` on both layouts with the same-run peers, host overhead and a chart;
 #   hopper       ci/gpu/hopper_check.py: sm80's Hopper kernel against the reference on a spread of cases, and
-#                its schedule variants timed against the portable kernel (sm90 only);
+#                its schedule variants timed against the portable kernel (sm90 only); HOPPER_CHECK_ARGS adds
+#                arguments (e.g. "--schedule PINGPONG=1" checks that schedule's correctness);
 #   hopper-conformance  sm80's conformance suite with the Hopper kernel forced (sm90 only), a short sweep.
 # Usage: ci/gpu/verify.sh OUTDIR [step ...]   (default: core-gpu conformance fuzz=2000 bench)
 # STEP_TIMEOUT bounds each test step (seconds, default 600); COMMIT names the commit the bench records.
@@ -23,6 +24,11 @@ if [ -z "${SKIP_INSTALL:-}" ]; then  # SKIP_INSTALL=1: the packages are installe
 fi
 python3 -m pagedprefill info | tee "$out/info.txt"
 limit=${STEP_TIMEOUT:-600}
+# A verbose pytest log's failures and totals, and how many tests finished (for a run its time limit cut).
+results() {
+  grep -E "(^| )(FAILED|ERROR) |^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$1" | tail -n 30
+  echo "finished: $(grep -cE ' (PASSED|FAILED|SKIPPED|ERROR) ' "$1") tests"
+}
 rc=0
 for step in ${*:-core-gpu conformance fuzz=2000 bench}; do
   echo "=== $step"
@@ -31,11 +37,14 @@ for step in ${*:-core-gpu conformance fuzz=2000 bench}; do
       timeout "$limit" python3 -m pytest -q -x -rfs -p no:cacheprovider -p no:xdist packages/core/tests/gpu \
         --ignore=packages/core/tests/gpu/test_fuzz_gpu.py --pagedprefill-device=cuda >"$out/core-gpu.log" 2>&1 || rc=1
       tail -n 40 "$out/core-gpu.log" ;;
-    conformance)
+    conformance|conformance=*)
       workers=${WORKERS:-$(( $(nproc) > 4 ? $(nproc) - 4 : 1 ))}
-      timeout "$limit" python3 -m pytest -q -rfs -p no:cacheprovider -n "$workers" packages/backend-generic/tests \
-        packages/backend-sm80/tests packages/backend-bi100/tests --pagedprefill-device=cuda >"$out/conformance.log" 2>&1 || rc=1
-      grep -E "^(FAILED|ERROR)|passed|failed" "$out/conformance.log" | tail -n 30 ;;
+      names=generic,sm80,bi100; [ "$step" = conformance ] || names=${step#conformance=}
+      suites=$(for n in ${names//,/ }; do printf 'packages/backend-%s/tests ' "$n"; done)
+      # -v: one line per finished test, so a run cut by its time limit still names what failed.
+      timeout "$limit" python3 -m pytest -v -rfEs -p no:cacheprovider -n "$workers" $suites \
+        --pagedprefill-device=cuda >"$out/conformance.log" 2>&1 || rc=1
+      results "$out/conformance.log" ;;
     fuzz=*)
       timeout "$limit" python3 -m pytest -q -s -p no:cacheprovider -p no:xdist packages/core/tests/gpu/test_fuzz_gpu.py \
         --pagedprefill-device=cuda --pagedprefill-fuzz="${step#fuzz=}" >"$out/fuzz.log" 2>&1 || rc=1
@@ -45,15 +54,15 @@ for step in ${*:-core-gpu conformance fuzz=2000 bench}; do
         --commit "${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" --json "$out/bench.json" --png "$out/bench.png" \
         2>"$out/bench.log" | tee "$out/bench.txt" || rc=1 ;;
     hopper)
-      timeout "$limit" python3 ci/gpu/hopper_check.py --quick --reps 60 >"$out/hopper_check.log" 2>&1 || rc=1
+      timeout "$limit" python3 ci/gpu/hopper_check.py --quick --reps 60 ${HOPPER_CHECK_ARGS:-} >"$out/hopper_check.log" 2>&1 || rc=1
       sed -n '/^correctness/,$p' "$out/hopper_check.log" ;;
     hopper-conformance)
       workers=${WORKERS:-$(( $(nproc) > 4 ? $(nproc) - 4 : 1 ))}
-      timeout "$limit" python3 -m pytest -q -rfs -p no:cacheprovider -p no:benchmark -n "$workers" \
+      timeout "$limit" python3 -m pytest -v -rfEs -p no:cacheprovider -p no:benchmark -n "$workers" \
         packages/backend-sm80/tests/test_sm80_hopper_conformance.py --pagedprefill-device=cuda \
         --pagedprefill-sweep="${SWEEP:-16}" >"$out/hopper-conformance.log" 2>&1 || rc=1
-      grep -E "^(FAILED|ERROR)|passed|failed" "$out/hopper-conformance.log" | tail -n 30 ;;
-    *) echo "unknown step $step (core-gpu, conformance, fuzz=N, bench, hopper, hopper-conformance)"; rc=2 ;;
+      results "$out/hopper-conformance.log" ;;
+    *) echo "unknown step $step (core-gpu, conformance[=BACKENDS], fuzz=N, bench, hopper, hopper-conformance)"; rc=2 ;;
   esac
 done
 exit $rc
