@@ -1,7 +1,7 @@
 """The Hopper kernel on an sm90 GPU, in one go: correctness against the reference on a spread of cases, then
 its speed against the portable kernel on the bench suite's NHD workloads (same run, same data).
 
-Usage: python ci/gpu/hopper_check.py [--quick] [--reps MS]
+Usage: python ci/gpu/hopper_check.py [--quick] [--reps MS] [--schedule PINGPONG=1]
 Each case prints one line; the last lines are a table. Exit status 1 when a case misses the tolerance.
 """
 
@@ -73,11 +73,12 @@ def check(info, backend) -> list[tuple]:
 
 
 #: Variants timed against each other: (label, tile changes, schedule).
+#: (Measured before and left out, docs/performance.md run 3: index order, 128-key tiles with 2 stages.)
 VARIANTS = [
-    ("hopper", {}, dict(HEAVY_FIRST=True)),
-    ("in-order", {}, dict(HEAVY_FIRST=False)),
-    ("n128-s2", dict(block_n=128, num_stages=2), dict(HEAVY_FIRST=True)),
-    ("s4", dict(num_stages=4), dict(HEAVY_FIRST=True)),
+    ("hopper", {}, dict(HEAVY_FIRST=True, PINGPONG=False)),
+    ("s4", dict(num_stages=4), dict(HEAVY_FIRST=True, PINGPONG=False)),
+    ("pingpong", {}, dict(HEAVY_FIRST=True, PINGPONG=True)),
+    ("pingpong-s4", dict(num_stages=4), dict(HEAVY_FIRST=True, PINGPONG=True)),
 ]
 
 
@@ -137,11 +138,21 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="four bench workloads only")
     parser.add_argument("--reps", type=int, default=100, help="do_bench budget per timing, ms")
     parser.add_argument("--no-timing", action="store_true")
+    parser.add_argument("--schedule", action="append", default=[], metavar="NAME=0|1",
+                        help="check correctness with this schedule flag of the Hopper kernel (e.g. PINGPONG=1); "
+                             "repeatable")
     args = parser.parse_args(argv)
+    from pagedprefill_sm80.hopper import launch
+
+    for item in args.schedule:
+        name, _, value = item.partition("=")
+        if name not in launch.SCHEDULE:
+            parser.error(f"--schedule: expected one of {', '.join(launch.SCHEDULE)}, got {name!r}")
+        launch.SCHEDULE[name] = value not in ("0", "false", "False")
     os.environ[KERNEL_ENV] = "hopper"
     info = DeviceInfo.detect(torch.device("cuda"))
     backend = get_registry().get("sm80")
-    print(info.describe(), "torch", torch.__version__, flush=True)
+    print(info.describe(), "torch", torch.__version__, "schedule", launch.SCHEDULE, flush=True)
     started = time.time()
     rows = check(info, backend)
     print(f"\ncorrectness ({time.time() - started:.0f} s): case | kernel | max abs err | "

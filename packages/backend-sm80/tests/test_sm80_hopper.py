@@ -112,8 +112,16 @@ COMPILED = {
 }
 
 
+#: Schedules each :data:`COMPILED` call is compiled with.
+SCHEDULES = {
+    "heavy-first": dict(HEAVY_FIRST=True, PINGPONG=False),
+    "in-order": dict(HEAVY_FIRST=False, PINGPONG=False),
+    "pingpong": dict(HEAVY_FIRST=True, PINGPONG=True),
+}
+
+
 def compile_summaries() -> dict:
-    """Codegen summary of each :data:`COMPILED` call, with the grid's tiles heaviest first and in index order."""
+    """Codegen summary of each :data:`COMPILED` call under each of :data:`SCHEDULES`, with the launch's warps."""
     from pagedprefill.triton.codegen import compile_call, summarize
     from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
 
@@ -121,10 +129,11 @@ def compile_summaries() -> dict:
     for name, changes in COMPILED.items():
         problem = make_problem(SPEC.replace(**changes))
         s = problem_shape(problem)
-        for heavy_first in (True, False):
-            call = kernel_call(problem, hopper_config(s), s, schedule=dict(HEAVY_FIRST=heavy_first))
-            order = "heavy-first" if heavy_first else "in-order"
-            out[f"{name}/{order}"] = summarize(compile_call(hopper_prefill_kernel, call, 90), 90).to_dict()
+        for label, schedule in SCHEDULES.items():
+            call = kernel_call(problem, hopper_config(s), s, schedule=schedule)
+            summary = summarize(compile_call(hopper_prefill_kernel, call, 90), 90).to_dict()
+            out[f"{name}/{label}"] = {**summary, "launch_warps": call.options["num_warps"],
+                                      "tile_warps": call.constexprs["NUM_WARPS"]}
     return out
 
 
@@ -147,7 +156,7 @@ def test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("SUMMARIES "))
     summaries = json.loads(line[len("SUMMARIES "):])
-    assert len(summaries) == 2 * len(COMPILED)
+    assert len(summaries) == len(SCHEDULES) * len(COMPILED)
     for name, summary in summaries.items():
         assert summary["warp_specialized"] and summary["setmaxnreg"] > 0, name
         assert summary["wgmma"] > 0 and summary["mma_sync"] == 0, name
@@ -156,6 +165,13 @@ def test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma():
         assert (summary["async_copies"] > 0) == name.startswith("split"), name
         assert summary["spill_bytes"] in (0, None), name
         assert summary["shared_bytes"] <= H200.max_shared_mem, name
+    for call in COMPILED:
+        plain, pingpong = summaries[f"{call}/heavy-first"], summaries[f"{call}/pingpong"]
+        if plain["tile_warps"] == 8:
+            # Two consumer partitions of one warpgroup each, each with its own MMAs; the launch is the first's.
+            assert pingpong["launch_warps"] == 4 and pingpong["wgmma"] == 2 * plain["wgmma"], call
+        else:  # one warpgroup holds the whole tile: nothing to split
+            assert pingpong == plain, call
 
 
 def test_codegen_report_shows_the_hopper_kernel(tmp_path):

@@ -13,7 +13,9 @@ head) pairs, ``HEADS_PER_TILE`` heads of one KV group packed together), with the
 * the **consumer** warpgroups run ``S = Q K^T`` and ``O += P V`` as warpgroup MMAs straight from shared
   memory and the online softmax in registers, never waiting for a load the producer could have issued
   earlier, and with no CTA-wide barrier in the key loop. With ``HEAVY_FIRST`` each sequence's last query
-  tiles (the most keys under a causal mask) are scheduled first.
+  tiles (the most keys under a causal mask) are scheduled first. With ``PINGPONG`` each of the two consumer
+  warpgroups is a partition of its own with half of the tile's rows (each computes where its rows are), so
+  the two no longer wait for each other at every key tile and one's softmax can run under the other's MMAs.
 
 Both roles walk the same schedule (:func:`_key_tiles`): the cached prefix from the first tile the window
 reaches, then the new tokens up to the causal diagonal. Every TMA box is bounds-checked by the hardware
@@ -110,13 +112,20 @@ def _split_keys_async(split_keys, k_dst, table_row, table_width, num_blocks, kv_
 
 
 @gluon.jit
-def _producer(k_cache, v_cache, k_new, v_new, v_cache_t, split_keys, k_smem, v_smem, vt_smem, ready, empty,
-              table_row, table_width, num_blocks, kv_head, seq_row0, v_rows_per_block,
-              cache_start, cache_tiles, new_start, new_tiles,
+def _producer(loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
               HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               SPLIT: gl.constexpr, X: gl.constexpr):
     """Fill the ring: for each key tile, wait until its buffer is free, then issue the copies of K and V and
-    let the ``ready`` barrier count their bytes (TMA) and their completion (asynchronous copies)."""
+    let the ``ready`` barrier count their bytes (TMA) and their completion (asynchronous copies).
+
+    ``loads`` are the sources (TMA descriptors, and the split layout's keys with their strides), ``ring`` the
+    buffers and barriers, ``table`` the sequence's block-table row with the table's width and the cache's
+    block count, ``walk`` the key tiles (:func:`_key_tiles`; the consumers' row positions are not used here).
+    """
+    k_cache, v_cache, k_new, v_new, v_cache_t, split_keys = loads
+    k_smem, v_smem, vt_smem, ready, empty = ring
+    table_row, table_width, num_blocks = table
+    cache_start, cache_tiles, new_start, new_tiles, _, _ = walk
     BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
     HALF_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * k_new.dtype.primitive_bitwidth // 8
     col = kv_head * HEAD_SIZE
@@ -210,16 +219,25 @@ def _softmax_tile(scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, k
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, vt_smem, ready, empty, Out, out_scale_ptr, alibi_slopes, sinks,
-              head, row_ok, q_pos, out_rows,
-              ctx_len, q_len, window, softcap, qk_scale, out_scale, stride_ot, stride_oh,
-              cache_start, cache_tiles, new_start, new_tiles, pos_first, full_from,
-              HEAD_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+def _consumer(q_smem, ring, output, rows, walk, features,
+              HEAD_SIZE: gl.constexpr, ROW0: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEADS_PER_TILE: gl.constexpr, TOKENS_PER_TILE: gl.constexpr, STAGES: gl.constexpr,
               NUM_WARPS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
               ALIBI: gl.constexpr, SINKS: gl.constexpr, NEW_KV_IN_CACHE: gl.constexpr,
               OUT_SCALE: gl.constexpr, OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr,
               SPLIT: gl.constexpr):
-    """Consume the ring: scores, online softmax and ``P V`` per key tile; then normalise and store."""
+    """Consume the ring for rows ``ROW0 .. ROW0 + BLOCK_M`` of the tile (``q_smem`` holds those rows):
+    scores, online softmax and ``P V`` per key tile; then normalise and store.
+
+    The arguments come grouped as the kernel builds them: ``ring`` (the K/V buffers and their barriers),
+    ``output`` (out and its scale), ``rows`` (where the tile's rows are), ``walk`` (its key tiles,
+    :func:`_key_tiles`) and ``features`` (per-call feature values); then the constexprs.
+    """
+    k_smem, v_smem, vt_smem, ready, empty = ring
+    Out, stride_ot, stride_oh, out_scale, out_scale_ptr = output
+    tok0, kv_head, chunk, group_size, seq_row0, num_tokens, ctx_len, q_len = rows
+    cache_start, cache_tiles, new_start, new_tiles, pos_first, full_from = walk
+    alibi_slopes, sinks, window, softcap, qk_scale = features
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
@@ -229,11 +247,11 @@ def _consumer(q_smem, k_smem, v_smem, vt_smem, ready, empty, Out, out_scale_ptr,
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     key_s: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    q_pos = gl.convert_layout(q_pos, row_s)
+    head, out_rows, row_ok, q_pos = tile_rows(ROW0 + gl.arange(0, BLOCK_M, row_s), tok0, kv_head, chunk, group_size,
+                                              seq_row0, ctx_len, q_len, num_tokens, HEADS_PER_TILE, TOKENS_PER_TILE)
     alibi2 = gl.zeros([BLOCK_M], gl.float32, row_s)
     if ALIBI:
-        alibi2 = gl.load(alibi_slopes + gl.convert_layout(head, row_s), mask=gl.convert_layout(row_ok, row_s),
-                         other=0.0).to(gl.float32) * LOG2E
+        alibi2 = gl.load(alibi_slopes + head, mask=row_ok, other=0.0).to(gl.float32) * LOG2E
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
     acc = gl.zeros([BLOCK_M, HEAD_SIZE], gl.float32, o_layout)
@@ -258,7 +276,7 @@ def _consumer(q_smem, k_smem, v_smem, vt_smem, ready, empty, Out, out_scale_ptr,
             acc = warpgroup_mma(p_op, vt_smem.index(s).permute((1, 0)), acc)
         else:
             acc = warpgroup_mma(p_op, v_smem.index(s), acc)
-        # Every consumer warp is past its MMAs before the buffer is handed back to the producer.
+        # Every warp of this consumer is past its MMAs before the buffer is handed back to the producer.
         gl.thread_barrier()
         mbarrier.arrive(empty.index(s), count=1)
 
@@ -294,7 +312,8 @@ def hopper_prefill_kernel(
     CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
     SKIP_DECODE: gl.constexpr, NEW_KV_IN_CACHE: gl.constexpr, OUT_SCALE: gl.constexpr,
     OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-    SPLIT: gl.constexpr, X: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    SPLIT: gl.constexpr, X: gl.constexpr, PINGPONG: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
 ):
     """Prefix-prefill attention of one query tile on sm90 (see the module docstring).
 
@@ -304,6 +323,10 @@ def hopper_prefill_kernel(
     ``[blocks * Hkv * D, PAGE]`` (``v_rows_per_block = Hkv * D`` rows per block). ``k_new``/``v_new`` are
     descriptors over the new tokens' K/V viewed as ``[T, Hkv * D]``. Arguments a layout or feature does not
     use are placeholders. ``qk_scale`` has ``log2(e)`` folded in unless ``SOFTCAP``.
+
+    ``PINGPONG``: the tile's two halves go to two consumer partitions of one warpgroup each (launched with 4
+    warps), which run their MMAs and softmaxes independently, so one's softmax can overlap the other's MMAs;
+    otherwise one consumer partition of ``NUM_WARPS`` warps runs the whole tile in lockstep.
     """
     TOKENS_PER_TILE: gl.constexpr = BLOCK_M // HEADS_PER_TILE
     tile = gl.program_id(0)
@@ -319,11 +342,12 @@ def hopper_prefill_kernel(
     chunk = gl.program_id(1) % HEAD_CHUNKS
 
     # Rows of the tile: (token, head) pairs, read from q with ordinary loads (any strides, any packing).
-    load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+    LAUNCH_WARPS: gl.constexpr = NUM_WARPS // 2 if PINGPONG else NUM_WARPS
+    load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LAUNCH_WARPS, 1], [1, 0])
     offs_m = gl.arange(0, BLOCK_M, gl.SliceLayout(1, load_layout))
     offs_d = gl.arange(0, HEAD_SIZE, gl.SliceLayout(0, load_layout))
-    head, q_rows, row_ok, q_pos = tile_rows(offs_m, tok0, kv_head, chunk, group_size, seq_row0, ctx_len, q_len,
-                                            num_tokens, HEADS_PER_TILE, TOKENS_PER_TILE)
+    head, q_rows, row_ok, _ = tile_rows(offs_m, tok0, kv_head, chunk, group_size, seq_row0, ctx_len, q_len,
+                                        num_tokens, HEADS_PER_TILE, TOKENS_PER_TILE)
     q_off = (gl.expand_dims(q_rows.to(gl.int64) * stride_qt + head.to(gl.int64) * stride_qh, 1)
              + gl.expand_dims(offs_d, 0))
     q = gl.load(Q + q_off, mask=gl.expand_dims(row_ok, 1), other=0.0)
@@ -351,20 +375,39 @@ def hopper_prefill_kernel(
         vt_smem = v_smem
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)  # every consumer hands the buffer back
     fence_async_shared()
     table_row = block_table + seq.to(gl.int64) * stride_table_seq
 
-    gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, vt_smem, ready, empty, Out, out_scale_ptr, alibi_slopes, sinks,
-                     head, row_ok, q_pos, q_rows, ctx_len, q_len, window, softcap, qk_scale, out_scale,
-                     stride_ot, stride_oh, cache_start, cache_tiles, new_start, new_tiles, ctx_len + tok0, full_from,
-                     HEAD_SIZE, BLOCK_M, BLOCK_N, STAGES, NUM_WARPS, CAUSAL, WINDOW, SOFTCAP, ALIBI, SINKS,
-                     NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT)),
-        (_producer, (k_cache, v_cache, k_new, v_new, v_cache_t, (K_cache, stride_kb, stride_kh, stride_kd), k_smem,
-                     v_smem, vt_smem, ready, empty, table_row, table_width, num_blocks, kv_head, seq_row0,
-                     v_rows_per_block, cache_start, cache_tiles, new_start, new_tiles,
-                     HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X)),
-    ], [1], [PRODUCER_REGS])
+    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
+    # The consumers' arguments, grouped (see _consumer); both walk the same key tiles.
+    ring = (k_smem, v_smem, vt_smem, ready, empty)
+    output = (Out, stride_ot, stride_oh, out_scale, out_scale_ptr)
+    rows = (tok0, kv_head, chunk, group_size, seq_row0, num_tokens, ctx_len, q_len)
+    walk = (cache_start, cache_tiles, new_start, new_tiles, ctx_len + tok0, full_from)
+    features = (alibi_slopes, sinks, window, softcap, qk_scale)
+    # (Constexprs are written out in each partition's list: a tuple variable would not keep them constexpr.)
+    loads = (k_cache, v_cache, k_new, v_new, v_cache_t, (K_cache, stride_kb, stride_kh, stride_kd))
+    table = (table_row, table_width, num_blocks)
+    if PINGPONG:
+        gl.warp_specialize([
+            (_consumer, (q_smem.slice(0, ROWS), ring, output, rows, walk, features,
+                         HEAD_SIZE, 0, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
+                         WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT)),
+            (_consumer, (q_smem.slice(ROWS, ROWS), ring, output, rows, walk, features,
+                         HEAD_SIZE, ROWS, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
+                         WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT)),
+            (_producer, (loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
+                         HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X)),
+        ], [LAUNCH_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (q_smem, ring, output, rows, walk, features,
+                         HEAD_SIZE, 0, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
+                         WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT)),
+            (_producer, (loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
+                         HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X)),
+        ], [1], [PRODUCER_REGS])

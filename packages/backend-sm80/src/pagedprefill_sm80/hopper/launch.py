@@ -157,8 +157,12 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: How the grid orders its tiles (a constexpr of the kernel): ``HEAVY_FIRST`` runs each sequence's last query
 #: tiles first. On the H200 (2026-11-30, ci/gpu/hopper_check.py, 4 bench workloads x 2 layouts) that was at
 #: least as fast as index order on every row (up to 4% faster): docs/performance.md, run 3. (Issuing the next
-#: tile's Q K^T before this tile's softmax measured 3-12% slower there and is not kept.)
-SCHEDULE = dict(HEAVY_FIRST=True)
+#: tile's Q K^T before this tile's softmax measured 3-12% slower there and is not kept.) ``PINGPONG`` gives each
+#: consumer warpgroup a partition of its own (tiles of 8 warps only); off until it has run on the GPU.
+SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=False)
+#: Registers per thread of the second consumer partition under ``PINGPONG`` (the first, the kernel's default
+#: partition, keeps what the others leave).
+CONSUMER_REGS = 240
 
 
 def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape,
@@ -182,6 +186,9 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
     scalars = (qk_scale, out_scale_value, softcap, opts.sliding_window or 0, B, T, p.cache.num_blocks,
                table.shape[1], group, p.q.stride(0), p.q.stride(1), p.out.stride(0), p.out.stride(1),
                table.stride(0), *split_strides, p.num_kv_heads * D)
+    schedule = {**SCHEDULE, **(schedule or {})}
+    # Two consumer partitions need two warpgroups' worth of rows.
+    schedule["PINGPONG"] = bool(schedule["PINGPONG"]) and config.num_warps == 8
     constexprs = dict(
         HEAD_SIZE=D, PAGE=p.cache.block_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         HEADS_PER_TILE=config.heads_per_tile, HEAD_CHUNKS=triton.cdiv(group, config.heads_per_tile),
@@ -189,13 +196,14 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
         WINDOW=opts.sliding_window is not None, SOFTCAP=softcap > 0, ALIBI=opts.alibi_slopes is not None,
         SINKS=opts.sinks is not None, SKIP_DECODE=opts.skip_decode, NEW_KV_IN_CACHE=p.k is None,
         OUT_SCALE=opts.fp8_out_scale is not None, OUT_SCALE_PTR=out_from_ptr, OUT_MAX=FP8_E4M3_MAX,
-        **(SCHEDULE if schedule is None else schedule),
+        **schedule,
         SPLIT=split, X=key.shape[4] if split else 8,
         # The producer warp of the split layout holds a tile of 16-byte copy addresses.
-        PRODUCER_REGS=96 if split and config.num_warps == 8 else 24,
+        PRODUCER_REGS=96 if split and config.num_warps == 8 else 24, CONSUMER_REGS=CONSUMER_REGS,
     )
-    return KernelCall(launch_grid(shape, config), call_tensors(p, config), scalars, constexprs,
-                      dict(num_warps=config.num_warps))
+    # Under PINGPONG the launch's warps are the default partition's: the first consumer warpgroup.
+    warps = config.num_warps // 2 if schedule["PINGPONG"] else config.num_warps
+    return KernelCall(launch_grid(shape, config), call_tensors(p, config), scalars, constexprs, dict(num_warps=warps))
 
 
 def launch_hopper(problem: PrefillProblem, config: TileConfig, shape: ProblemShape, schedule: Optional[dict] = None):
