@@ -75,10 +75,10 @@ def check(info, backend) -> list[tuple]:
 #: Variants timed against each other: (label, tile changes, schedule).
 #: (Measured before and left out, docs/performance.md run 3: index order, 128-key tiles with 2 stages.)
 VARIANTS = [
-    ("hopper", {}, dict(HEAVY_FIRST=True, PINGPONG=False)),
-    ("s4", dict(num_stages=4), dict(HEAVY_FIRST=True, PINGPONG=False)),
-    ("pingpong", {}, dict(HEAVY_FIRST=True, PINGPONG=True)),
-    ("pingpong-s4", dict(num_stages=4), dict(HEAVY_FIRST=True, PINGPONG=True)),
+    ("hopper", {}, dict(HEAVY_FIRST=True, PINGPONG=False, TURNS=False)),
+    ("pingpong", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
+    ("pingpong-turns", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=True)),
+    ("pingpong-s4", dict(num_stages=4), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
 ]
 
 

@@ -114,9 +114,10 @@ COMPILED = {
 
 #: Schedules each :data:`COMPILED` call is compiled with.
 SCHEDULES = {
-    "heavy-first": dict(HEAVY_FIRST=True, PINGPONG=False),
-    "in-order": dict(HEAVY_FIRST=False, PINGPONG=False),
-    "pingpong": dict(HEAVY_FIRST=True, PINGPONG=True),
+    "heavy-first": dict(HEAVY_FIRST=True, PINGPONG=False, TURNS=False),
+    "in-order": dict(HEAVY_FIRST=False, PINGPONG=False, TURNS=False),
+    "pingpong": dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False),
+    "pingpong-turns": dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=True),
 }
 
 
@@ -170,8 +171,9 @@ def test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma():
         if plain["tile_warps"] == 8:
             # Two consumer partitions of one warpgroup each, each with its own MMAs; the launch is the first's.
             assert pingpong["launch_warps"] == 4 and pingpong["wgmma"] == 2 * plain["wgmma"], call
-        else:  # one warpgroup holds the whole tile: nothing to split
-            assert pingpong == plain, call
+            assert summaries[f"{call}/pingpong-turns"]["wgmma"] == pingpong["wgmma"], call
+        else:  # one warpgroup holds the whole tile: nothing to split, no one to take turns with
+            assert pingpong == plain == summaries[f"{call}/pingpong-turns"], call
 
 
 def test_codegen_report_shows_the_hopper_kernel(tmp_path):

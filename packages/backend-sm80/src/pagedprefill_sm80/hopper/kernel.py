@@ -219,19 +219,21 @@ def _softmax_tile(scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, k
 
 
 @gluon.jit
-def _consumer(q_smem, ring, output, rows, walk, features,
+def _consumer(q_smem, ring, output, rows, walk, features, turns,
               HEAD_SIZE: gl.constexpr, ROW0: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEADS_PER_TILE: gl.constexpr, TOKENS_PER_TILE: gl.constexpr, STAGES: gl.constexpr,
               NUM_WARPS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
               ALIBI: gl.constexpr, SINKS: gl.constexpr, NEW_KV_IN_CACHE: gl.constexpr,
               OUT_SCALE: gl.constexpr, OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr,
-              SPLIT: gl.constexpr):
+              SPLIT: gl.constexpr, TURNS: gl.constexpr):
     """Consume the ring for rows ``ROW0 .. ROW0 + BLOCK_M`` of the tile (``q_smem`` holds those rows):
     scores, online softmax and ``P V`` per key tile; then normalise and store.
 
     The arguments come grouped as the kernel builds them: ``ring`` (the K/V buffers and their barriers),
     ``output`` (out and its scale), ``rows`` (where the tile's rows are), ``walk`` (its key tiles,
-    :func:`_key_tiles`) and ``features`` (per-call feature values); then the constexprs.
+    :func:`_key_tiles`) and ``features`` (per-call feature values); then the constexprs. With ``TURNS``,
+    ``turns`` is ``(mine, other)``: this consumer issues a tile's ``Q K^T`` only when ``mine`` says it is its
+    turn, then hands the turn to the other consumer, so the two take the tensor cores in alternation.
     """
     k_smem, v_smem, vt_smem, ready, empty = ring
     Out, stride_ot, stride_oh, out_scale, out_scale_ptr = output
@@ -264,8 +266,12 @@ def _consumer(q_smem, ring, output, rows, walk, features,
     for it in range(cache_tiles + new_tiles):
         s = it % STAGES
         _wait_tile(ready, it, it < cache_tiles, SPLIT, STAGES)
+        if TURNS:
+            mbarrier.wait(turns[0], it & 1)
         scores = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)),
                                gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False)
+        if TURNS:
+            mbarrier.arrive(turns[1], count=1)
         p_op, alpha, m_i, l_i = _softmax_tile(
             scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap, qk_scale,
             cache_start, cache_tiles, new_start, pos_first, full_from, p_layout, q_smem.dtype, BLOCK_N, CAUSAL,
@@ -312,8 +318,8 @@ def hopper_prefill_kernel(
     CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
     SKIP_DECODE: gl.constexpr, NEW_KV_IN_CACHE: gl.constexpr, OUT_SCALE: gl.constexpr,
     OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-    SPLIT: gl.constexpr, X: gl.constexpr, PINGPONG: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
+    SPLIT: gl.constexpr, X: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Prefix-prefill attention of one query tile on sm90 (see the module docstring).
 
@@ -326,7 +332,8 @@ def hopper_prefill_kernel(
 
     ``PINGPONG``: the tile's two halves go to two consumer partitions of one warpgroup each (launched with 4
     warps), which run their MMAs and softmaxes independently, so one's softmax can overlap the other's MMAs;
-    otherwise one consumer partition of ``NUM_WARPS`` warps runs the whole tile in lockstep.
+    otherwise one consumer partition of ``NUM_WARPS`` warps runs the whole tile in lockstep. ``TURNS`` (with
+    ``PINGPONG``) makes the two consumers issue their ``Q K^T`` in strict alternation, the first one first.
     """
     TOKENS_PER_TILE: gl.constexpr = BLOCK_M // HEADS_PER_TILE
     tile = gl.program_id(0)
@@ -379,7 +386,14 @@ def hopper_prefill_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)  # every consumer hands the buffer back
+    # Whose turn it is to issue Q K^T (TURNS): the first consumer's barrier starts completed.
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    if TURNS:
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
     fence_async_shared()
+    if TURNS:
+        mbarrier.arrive(turn.index(0), count=1)
     table_row = block_table + seq.to(gl.int64) * stride_table_seq
 
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
@@ -394,20 +408,23 @@ def hopper_prefill_kernel(
     table = (table_row, table_width, num_blocks)
     if PINGPONG:
         gl.warp_specialize([
-            (_consumer, (q_smem.slice(0, ROWS), ring, output, rows, walk, features,
+            (_consumer, (q_smem.slice(0, ROWS), ring, output, rows, walk, features, (turn.index(0), turn.index(1)),
                          HEAD_SIZE, 0, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
-                         WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT)),
-            (_consumer, (q_smem.slice(ROWS, ROWS), ring, output, rows, walk, features,
+                         WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
+                         TURNS)),
+            (_consumer, (q_smem.slice(ROWS, ROWS), ring, output, rows, walk, features, (turn.index(1), turn.index(0)),
                          HEAD_SIZE, ROWS, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
-                         WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT)),
+                         WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
+                         TURNS)),
             (_producer, (loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
                          HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X)),
         ], [LAUNCH_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (q_smem, ring, output, rows, walk, features,
+            (_consumer, (q_smem, ring, output, rows, walk, features, (turn.index(0), turn.index(1)),
                          HEAD_SIZE, 0, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
-                         WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT)),
+                         WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
+                         False)),
             (_producer, (loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
                          HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X)),
         ], [1], [PRODUCER_REGS])

@@ -158,8 +158,9 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: tiles first. On the H200 (2026-11-30, ci/gpu/hopper_check.py, 4 bench workloads x 2 layouts) that was at
 #: least as fast as index order on every row (up to 4% faster): docs/performance.md, run 3. (Issuing the next
 #: tile's Q K^T before this tile's softmax measured 3-12% slower there and is not kept.) ``PINGPONG`` gives each
-#: consumer warpgroup a partition of its own (tiles of 8 warps only); off until it has run on the GPU.
-SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=False)
+#: consumer warpgroup a partition of its own (tiles of 8 warps only), ``TURNS`` makes those two issue their
+#: Q K^T in alternation; both off until they have run on the GPU.
+SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=False, TURNS=False)
 #: Registers per thread of the second consumer partition under ``PINGPONG`` (the first, the kernel's default
 #: partition, keeps what the others leave).
 CONSUMER_REGS = 240
@@ -189,6 +190,7 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
     schedule = {**SCHEDULE, **(schedule or {})}
     # Two consumer partitions need two warpgroups' worth of rows.
     schedule["PINGPONG"] = bool(schedule["PINGPONG"]) and config.num_warps == 8
+    schedule["TURNS"] = bool(schedule["TURNS"]) and schedule["PINGPONG"]
     constexprs = dict(
         HEAD_SIZE=D, PAGE=p.cache.block_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         HEADS_PER_TILE=config.heads_per_tile, HEAD_CHUNKS=triton.cdiv(group, config.heads_per_tile),
