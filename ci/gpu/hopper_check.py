@@ -1,7 +1,7 @@
 """The Hopper kernel on an sm90 GPU, in one go: correctness against the reference on a spread of cases, then
 its speed against the portable kernel on the bench suite's NHD workloads (same run, same data).
 
-Usage: python ci/gpu/hopper_check.py [--quick] [--reps MS] [--schedule PINGPONG=1]
+Usage: python ci/gpu/hopper_check.py [--quick] [--reps MS] [--schedule PINGPONG=1,TURNS=1]
 Each case prints one line; the last lines are a table. Exit status 1 when a case misses the tolerance.
 """
 
@@ -138,17 +138,15 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="four bench workloads only")
     parser.add_argument("--reps", type=int, default=100, help="do_bench budget per timing, ms")
     parser.add_argument("--no-timing", action="store_true")
-    parser.add_argument("--schedule", action="append", default=[], metavar="NAME=0|1",
-                        help="check correctness with this schedule flag of the Hopper kernel (e.g. PINGPONG=1); "
-                             "repeatable")
+    parser.add_argument("--schedule", default="", metavar="NAME=0|1,...",
+                        help="check correctness with these schedule flags of the Hopper kernel (e.g. PINGPONG=1)")
     args = parser.parse_args(argv)
     from pagedprefill_sm80.hopper import launch
 
-    for item in args.schedule:
-        name, _, value = item.partition("=")
-        if name not in launch.SCHEDULE:
-            parser.error(f"--schedule: expected one of {', '.join(launch.SCHEDULE)}, got {name!r}")
-        launch.SCHEDULE[name] = value not in ("0", "false", "False")
+    try:
+        launch.SCHEDULE.update(launch.parse_schedule(args.schedule))
+    except ValueError as exc:
+        parser.error(f"--schedule: {exc}")
     os.environ[KERNEL_ENV] = "hopper"
     info = DeviceInfo.detect(torch.device("cuda"))
     backend = get_registry().get("sm80")

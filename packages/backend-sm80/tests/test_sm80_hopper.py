@@ -252,3 +252,14 @@ def check_rebuilt_arguments():
         assert all(a is b for a, b in zip(again[DESCRIPTORS], got[DESCRIPTORS]))
         shifted = torch.empty(later.k.numel() + 8, dtype=later.k.dtype)[1:1 + later.k.numel()].view(later.k.shape)
         assert arguments(dataclasses.replace(later, k=shifted)) is None
+
+
+def test_schedule_flags_parse_by_name():
+    from pagedprefill_sm80.hopper.launch import SCHEDULE, parse_schedule
+
+    assert parse_schedule("") == {}
+    assert parse_schedule("PINGPONG=1, TURNS=0") == {"PINGPONG": True, "TURNS": False}
+    assert set(parse_schedule(",".join(f"{name}=1" for name in SCHEDULE))) == set(SCHEDULE)
+    for bad in ("PINGPONG", "PINGPONG=yes", "PING=1"):
+        with pytest.raises(ValueError, match=f"schedule: expected NAME=0 or NAME=1 .*got '{bad}'"):
+            parse_schedule(bad)

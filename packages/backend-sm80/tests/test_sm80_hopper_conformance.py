@@ -6,7 +6,12 @@ kernel does not take, so here each case that keeps the suite's default head size
 (even seeds) or 64 (odd seeds) instead, and block size 16 instead of 8: the same lengths, features, layouts
 and dtypes, on the Hopper kernel wherever those allow it. ``test_sm80_conformance.py`` runs the cases as
 written on the portable kernel.
+
+``PAGEDPREFILL_TEST_HOPPER_SCHEDULE`` (e.g. ``PINGPONG=1,TURNS=1``) runs the suite with those schedule flags of
+the kernel instead of its defaults (:data:`pagedprefill_sm80.hopper.launch.SCHEDULE`).
 """
+
+import os
 
 import pytest
 import torch
@@ -14,7 +19,10 @@ from pagedprefill import DeviceInfo
 from pagedprefill.testing import ConformanceSuite
 from pagedprefill.testing.cases import BASE
 from pagedprefill.workloads import BatchSpec
+from pagedprefill_sm80.hopper import launch
 from pagedprefill_sm80.policy import KERNEL_ENV
+
+SCHEDULE_ENV = "PAGEDPREFILL_TEST_HOPPER_SCHEDULE"
 
 
 def hopper_head_size(spec: BatchSpec, seed: int) -> BatchSpec:
@@ -33,6 +41,8 @@ class TestSm80HopperConformance(ConformanceSuite):
     @pytest.fixture(autouse=True)
     def hopper_kernel(self, monkeypatch):
         monkeypatch.setenv(KERNEL_ENV, "hopper")
+        for name, value in launch.parse_schedule(os.environ.get(SCHEDULE_ENV, "")).items():
+            monkeypatch.setitem(launch.SCHEDULE, name, value)
 
     def case_spec(self, case: str, size: str, seed: int) -> BatchSpec:
         return hopper_head_size(super().case_spec(case, size, seed), seed)

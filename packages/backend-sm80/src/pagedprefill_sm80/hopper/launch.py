@@ -166,6 +166,19 @@ SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=False, TURNS=False)
 CONSUMER_REGS = 240
 
 
+def parse_schedule(text: str) -> dict:
+    """Schedule flags written as ``"PINGPONG=1,TURNS=0"`` (for measurement and test runs), checked against
+    :data:`SCHEDULE`'s names."""
+    flags = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        if name not in SCHEDULE or value not in ("0", "1"):
+            raise ValueError(f"schedule: expected NAME=0 or NAME=1 with NAME one of {', '.join(SCHEDULE)}, "
+                             f"got {item!r}")
+        flags[name] = value == "1"
+    return flags
+
+
 def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape,
                 schedule: Optional[dict] = None) -> Optional[KernelCall]:
     """The launch of the Hopper kernel for ``problem`` with the settled ``config`` (and ``schedule``, by
