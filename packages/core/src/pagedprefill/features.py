@@ -9,17 +9,13 @@ conformance suite) before a backend runs.
 from __future__ import annotations
 
 from .errors import UnsupportedFeatureError
-from .types import FEATURES, PrefillProblem
+from .options import FEATURES, KV_IN_CACHE, OPTIONS
+from .types import PrefillProblem
 
 __all__ = ["FEATURES", "FEATURE_DESCRIPTIONS", "check_features", "missing_features"]
 
-#: How errors describe each feature (the argument the caller sets to use it).
-FEATURE_DESCRIPTIONS = {
-    "kv_in_cache": "k = v = None (new tokens' keys/values read from the paged cache)",
-    "non_causal": "causal=False",
-    "skip_decode": "skip_decode=True",
-    "fp8_out_scale": "fp8_out_scale (FP8 output)",
-}
+#: How errors describe each feature (the argument the caller sets to use it), from the options' description.
+FEATURE_DESCRIPTIONS = dict([KV_IN_CACHE, *(o.feature for o in OPTIONS if o.feature)])
 
 
 def missing_features(backend, problem: PrefillProblem) -> frozenset:
