@@ -26,7 +26,6 @@ def problem_shape(problem: PrefillProblem) -> ProblemShape:
         num_tokens=problem.num_tokens,
         num_seqs=problem.batch.num_seqs,
         max_query_len=problem.batch.max_query_len,
-        sliding_window=problem.options.sliding_window,
         layout=problem.cache.layout.value,
     )
 
