@@ -75,7 +75,7 @@ def installed_features() -> dict[str, frozenset]:
     """``supported_features`` of every backend installed here."""
     import pagedprefill
 
-    return {b.name: frozenset(getattr(b, "supported_features", ())) for b in pagedprefill.get_registry().backends()}
+    return {b.name: frozenset(b.supported_features) for b in pagedprefill.get_registry().backends()}
 
 
 if __name__ == "__main__":

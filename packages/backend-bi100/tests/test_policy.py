@@ -12,9 +12,16 @@ from pagedprefill import DeviceInfo, ProblemShape, UnsupportedFeatureError
 from pagedprefill.backends.triton_base import problem_shape
 from pagedprefill.testing import BatchSpec, make_problem
 from pagedprefill_bi100 import bi100_policy, described_devices, device_limits
-from pagedprefill_bi100.policy import unfit_reason
 
 KiB = 1024
+
+
+def policy_tile_fits(shape: ProblemShape, device: DeviceInfo) -> bool:
+    """Whether the policy's tile for ``shape`` fits the shared memory it plans with (the device's, else the
+    table's)."""
+    need = bi100_policy(shape, device).shared_mem_bytes(shape.head_size, shape.element_size)
+    return need <= device_limits(device).max_shared_mem
+
 
 BI_V100 = DeviceInfo(type="cuda", index=0, vendor="iluvatar", name="Iluvatar BI-V100", capability=(7, 0),
                      warp_size=64, num_sms=16, max_shared_mem=48 * KiB, triton_backend="cuda")
@@ -145,10 +152,10 @@ def test_every_tile_fits(name, dtype):
                 assert cfg.split_masks, label
                 if cannot_fit(shape, smem):
                     assert (cfg.block_m, cfg.block_n, cfg.num_stages) == (16, 16, 1), label
-                    assert unfit_reason(shape, device) is not None, label
+                    assert not policy_tile_fits(shape, device), label
                 else:
                     assert cfg.shared_mem_bytes(head_size, elem) <= smem, label
-                    assert unfit_reason(shape, device) is None, label
+                    assert policy_tile_fits(shape, device), label
 
 
 def test_float32_beyond_head_size_128_is_refused_on_bi_v100_only():
@@ -169,7 +176,7 @@ def test_common_head_sizes_on_bi_v100(head_size, dtype):
     shape = ProblemShape(head_size=head_size, num_heads=32, num_kv_heads=8, dtype=dtype)
     cfg = bi100_policy(shape, BI_V100)
     if cannot_fit(shape, BI_V100.max_shared_mem):
-        assert unfit_reason(shape, BI_V100) is not None  # refused: float32 with a head size above 128
+        assert not policy_tile_fits(shape, BI_V100)  # refused: float32 with a head size above 128
         return
     assert cfg.fits(head_size, shape.element_size, BI_V100)
     assert cfg.num_stages == 1, "no pipelining on capability 7.0 (async copy is off)"

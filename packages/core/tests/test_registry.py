@@ -755,3 +755,28 @@ def test_missing_triton_reason_points_to_the_repository(monkeypatch):
     reasons = triton_base.TritonBackend().supports(CPU)
     assert reasons == ['Triton is not installed (pip install triton, or pip install "./packages/core[triton]" '
                        'from the repository)']
+
+
+def test_the_backend_contract_declares_every_question_with_its_default():
+    """What core asks a backend about is declared on ``Backend``, so a plugin that says nothing gets the
+    documented answer: no optional feature, no host reads of the metadata, nothing to tune, no tile."""
+    import ast
+
+    import torch
+    from pagedprefill.tiling import ProblemShape
+
+    plain = type("Plain", (Backend,), {"name": "plain"})()
+    shape = ProblemShape(head_size=64, num_heads=4, num_kv_heads=2, dtype=torch.float16)
+    assert plain.supported_features == frozenset()
+    assert plain.reads_metadata_on_host is False
+    assert plain.search_space(shape, CPU) == []
+    assert plain.tile_config(shape, CPU) is None
+    # core finds none of them by introspection: no getattr/hasattr on a backend anywhere in the package
+    root = Path(pagedprefill.__file__).parent
+    asked = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr") \
+                    and isinstance(node.args[0], ast.Name) and node.args[0].id in ("backend", "chosen", "b"):
+                asked.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not asked, f"a backend asked by introspection at {asked}; declare the attribute on Backend"

@@ -74,3 +74,18 @@ def test_another_table_directory_is_another_table(table_dir, monkeypatch):
     assert backend.tile_config(SHAPE, DEVICE) == TUNED
     monkeypatch.setenv(ENV_TABLE_DIR, str(table_dir / "b"))
     assert backend.tile_config(SHAPE, DEVICE) == RULE
+
+
+def test_calls_that_differ_in_options_only_share_the_remembered_tile(table_dir):
+    """The shape holds what policies read, no option value: windows of every size are one decision."""
+    from pagedprefill.backends.triton_base import problem_shape
+    from pagedprefill.workloads import BatchSpec, make_problem
+
+    spec = BatchSpec(query_lens=(5, 2), context_lens=(9, 0), num_heads=4, num_kv_heads=2, head_size=16)
+    shapes = {problem_shape(make_problem(spec.replace(sliding_window=w, softcap=c))) for w in (None, 3, 700)
+              for c in (0.0, 5.0)}
+    assert len(shapes) == 1
+    backend = TableBackend()
+    before = TableBackend.decisions
+    backend.tile_config(shapes.pop(), DEVICE)
+    assert TableBackend.decisions == before + 1

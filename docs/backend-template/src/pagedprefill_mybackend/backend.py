@@ -30,6 +30,10 @@ class MyBackend(TritonBackend):
     #: KV-cache formats the hardware can read. Remove the FP8 ones if it has no float8 conversion (the
     #: conformance test then skips those formats, see tests/test_conformance.py).
     kv_cache_dtypes = frozenset({"auto", "fp8_e4m3", "fp8_e5m2"})
+    #: Optional features the backend computes (core's kernel: all of them); core refuses the others before
+    #: check_problem() runs. Remove a name your hardware cannot run, e.g. ``- {"fp8_out_scale"}``. The other
+    #: members core asks about, with their defaults, are declared on ``pagedprefill.Backend``.
+    supported_features = TritonBackend.supported_features
 
     def supports(self, device: DeviceInfo) -> list[str]:
         """Reasons this backend cannot run on ``device`` (empty: it can). Cheap, and never raises."""

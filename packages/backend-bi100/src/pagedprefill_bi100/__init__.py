@@ -11,7 +11,7 @@ from typing import Optional
 from pagedprefill.device import DeviceInfo
 
 from .backend import Bi100Backend
-from .device_table import DeviceLimits, described_device, device_limits, load_table
+from .device_table import DeviceLimits, described_device, device_limits, load_device_table
 from .policy import bi100_policy
 
 __all__ = ["Bi100Backend", "DeviceLimits", "bi100_policy", "described_device", "described_devices",
@@ -24,5 +24,5 @@ def described_devices(triton_backend: Optional[str] = "cuda") -> dict[str, Devic
     ``triton_backend`` is what Triton would report on that machine: ``"cuda"`` on builds that present the
     GPU as a CUDA target, ``"corex"`` on builds with their own backend name.
     """
-    _, parts, _ = load_table()
+    _, parts, _ = load_device_table()
     return {model: described_device(model, triton_backend) for model in parts}

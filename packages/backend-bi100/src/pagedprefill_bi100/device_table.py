@@ -56,12 +56,6 @@ class DeviceLimits:
     matched_by: str
     from_table: tuple[str, ...]
 
-    def describe(self) -> str:
-        filled = ", ".join(self.from_table) if self.from_table else "nothing"
-        return (f"{self.arch} (table matched by {self.matched_by}): shared_mem/block="
-                f"{self.max_shared_mem // 1024} KiB, warp_size={self.warp_size}, SMs={self.num_sms}, "
-                f"max_stages={self.max_stages}; from the table: {filled}")
-
 
 def _entry(arch: str, raw: dict) -> TableEntry:
     cap = raw.get("capability")
@@ -77,7 +71,7 @@ def _entry(arch: str, raw: dict) -> TableEntry:
 
 
 @functools.cache
-def load_table() -> tuple[dict[str, TableEntry], dict[str, str], TableEntry]:
+def load_device_table() -> tuple[dict[str, TableEntry], dict[str, str], TableEntry]:
     """``(architectures, parts, default)`` read from ``devices.json`` (once)."""
     raw = json.loads(resources.files(__package__).joinpath("devices.json").read_text(encoding="utf-8"))
     archs = {name: _entry(name, row) for name, row in raw["architectures"].items()}
@@ -99,7 +93,7 @@ def _model_in_name(name: str, parts: dict[str, str]) -> Optional[str]:
 
 def table_entry(device: DeviceInfo) -> tuple[TableEntry, str]:
     """The table row for ``device`` and how it was found: by model name, by capability, or the default."""
-    archs, parts, default = load_table()
+    archs, parts, default = load_device_table()
     model = _model_in_name(device.name, parts)
     if model is not None:
         return archs[parts[model]], "name"
@@ -130,7 +124,7 @@ def device_limits(device: DeviceInfo) -> DeviceLimits:
 
 def described_device(model: str, triton_backend: Optional[str] = "cuda", index: int = 0) -> DeviceInfo:
     """A hand-built :class:`DeviceInfo` of a known part (e.g. ``"BI-V100"``) with the table's values."""
-    archs, parts, _ = load_table()
+    archs, parts, _ = load_device_table()
     arch = archs[parts[model.upper()]]
     return DeviceInfo(type="cuda", index=index, vendor="iluvatar", name=f"Iluvatar {model.upper()}",
                       capability=arch.capability or (0, 0), warp_size=arch.warp_size, num_sms=arch.num_sms,

@@ -26,14 +26,12 @@ Steps:
 Masked and mask-free key tiles are always run separately (``split_masks``).
 
 One combination cannot fit 48 KiB under that model whatever the tile: float32 with a head size above 128
-(padded to 256), whose smallest legal tile (16 x 16) needs 49 KiB. :func:`unfit_reason` says so, and the
-backend refuses such calls on such devices (BI-V100) rather than hand Triton a tile that overflows; they run
-on ivcore11 (128 KiB), and in fp16/bf16 everywhere.
+(padded to 256), whose smallest legal tile (16 x 16) needs 49 KiB. The backend refuses such calls on such
+devices (BI-V100) rather than hand Triton a tile that overflows: ``TritonBackend.check_problem`` compares the
+policy's tile with the device's shared memory. They run on ivcore11 (128 KiB), and in fp16/bf16 everywhere.
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 from pagedprefill.device import DeviceInfo
 from pagedprefill.tiling import ProblemShape, TileConfig, launch_grid, next_power_of_2, settle, shrink_to_fit
@@ -104,16 +102,3 @@ def bi100_policy(shape: ProblemShape, device: DeviceInfo) -> TileConfig:
         config = config.with_(num_stages=1)
     config = shrink_to_fit(config, shape, device, budget)
     return config.with_(num_warps=warps_for(config.block_m, limits.warp_size))
-
-
-def unfit_reason(shape: ProblemShape, device: DeviceInfo) -> Optional[str]:
-    """Why no tile of ``shape`` fits ``device``'s shared memory, or None when the policy's tile fits."""
-    limits = device_limits(device)
-    config = bi100_policy(shape, device)
-    need = config.shared_mem_bytes(shape.head_size, shape.element_size)
-    if need <= limits.max_shared_mem:
-        return None
-    dtype = str(shape.dtype).replace("torch.", "")
-    return (f"{dtype} with head size {shape.head_size} (padded to {shape.head_size_padded}) needs {need} bytes "
-            f"of shared memory per block even with the smallest tile ({config.block_m} x {config.block_n}), "
-            f"and {device.name} has {limits.max_shared_mem} bytes")

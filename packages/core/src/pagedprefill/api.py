@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from . import ops
+from .options import BY_NAME
 from .runtime import (  # re-exported: these have always been importable from here
     BackendChoice,
     _new_output,
@@ -47,6 +48,14 @@ from .validation import (
 __all__ = ["BackendChoice", "available_backends", "context_attention_fwd", "dispatch", "get_registry",
            "prefill_attention", "reset_registry", "select_backend"]
 
+_SLIDING_WINDOW = BY_NAME["sliding_window"]
+
+
+def _drop_in_window(sliding_window):
+    """The drop-in signatures' ``sliding_window`` as the typed objects hold it: they spell "no window" as the
+    operators do (None, or an int ``<= 0``), so :meth:`Option.from_schema` converts it to None."""
+    return _SLIDING_WINDOW.from_schema(sliding_window)
+
 
 def _backend_name(backend: BackendChoice) -> str:
     if backend is None:
@@ -54,8 +63,8 @@ def _backend_name(backend: BackendChoice) -> str:
     return backend if isinstance(backend, str) else backend.name
 
 
-def _run(problem: PrefillProblem, backend: BackendChoice, validate: ValidateMode,
-         names: ArgumentNames = NATIVE_NAMES) -> torch.Tensor:
+def _dispatch_or_record(problem: PrefillProblem, backend: BackendChoice, validate: ValidateMode,
+                        names: ArgumentNames = NATIVE_NAMES) -> torch.Tensor:
     """:func:`dispatch`, or while ``torch.compile`` traces, the in-place custom operator (same dispatch at
     run time, no data-dependent Python in the traced graph; its errors name the same arguments)."""
     if torch.compiler.is_compiling():
@@ -120,7 +129,7 @@ def prefill_attention(
                                  softcap=softcap, sinks=sinks, causal=causal, skip_decode=skip_decode,
                                  fp8_out_scale=fp8_out_scale),
     )
-    return _run(problem, backend, validate)
+    return _dispatch_or_record(problem, backend, validate)
 
 
 def context_attention_fwd(
@@ -163,5 +172,5 @@ def context_attention_fwd(
     problem = PrefillProblem.from_tensors(
         q, k, v, o, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, b_ctx_len, kv_cache_dtype=kv_cache_dtype,
         k_scale=k_scale, v_scale=v_scale, max_query_len=max_input_len, sm_scale=sm_scale,
-        alibi_slopes=alibi_slopes, sliding_window=sliding_window, softcap=softcap, sinks=sinks)
-    return _run(problem, backend, validate, DROP_IN_NAMES)
+        alibi_slopes=alibi_slopes, sliding_window=_drop_in_window(sliding_window), softcap=softcap, sinks=sinks)
+    return _dispatch_or_record(problem, backend, validate, DROP_IN_NAMES)

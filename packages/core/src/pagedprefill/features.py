@@ -1,25 +1,22 @@
 """Optional features a backend may not run, and the one check that refuses them.
 
 A backend lists the features it computes in its ``supported_features`` attribute (a set of names from
-:data:`pagedprefill.types.FEATURES`); a backend without that attribute supports none of them. The
-``reference`` backend supports all of them. :func:`check_features` is called by dispatch (and by the
-conformance suite) before a backend runs.
+:data:`pagedprefill.options.FEATURES`; ``Backend`` declares none). The ``reference`` backend and core's Triton
+kernel support all of them. :func:`check_runnable` is what runs before a backend computes a call (in dispatch,
+once per call signature, and in the tools that call a backend directly): :func:`check_features`, then the
+backend's own ``check_problem``.
 """
 
 from __future__ import annotations
 
 from .errors import UnsupportedFeatureError
-from .types import FEATURES, PrefillProblem
+from .options import FEATURES, KV_IN_CACHE, OPTIONS
+from .types import PrefillProblem
 
-__all__ = ["FEATURES", "FEATURE_DESCRIPTIONS", "check_features", "missing_features"]
+__all__ = ["FEATURES", "FEATURE_DESCRIPTIONS", "check_features", "check_runnable", "missing_features"]
 
-#: How errors describe each feature (the argument the caller sets to use it).
-FEATURE_DESCRIPTIONS = {
-    "kv_in_cache": "k = v = None (new tokens' keys/values read from the paged cache)",
-    "non_causal": "causal=False",
-    "skip_decode": "skip_decode=True",
-    "fp8_out_scale": "fp8_out_scale (FP8 output)",
-}
+#: How errors describe each feature (the argument the caller sets to use it), from the options' description.
+FEATURE_DESCRIPTIONS = dict([KV_IN_CACHE, *(o.feature for o in OPTIONS if o.feature)])
 
 
 def missing_features(backend, problem: PrefillProblem) -> frozenset:
@@ -27,7 +24,7 @@ def missing_features(backend, problem: PrefillProblem) -> frozenset:
     used = problem.features
     if not used:
         return frozenset()
-    return used - frozenset(getattr(backend, "supported_features", ()))
+    return used - frozenset(backend.supported_features)
 
 
 def check_features(backend, problem: PrefillProblem) -> None:
@@ -39,6 +36,13 @@ def check_features(backend, problem: PrefillProblem) -> None:
         raise UnsupportedFeatureError(
             f"backend {backend.name!r} does not support {what}; use backend='reference', which runs every feature"
         )
+
+
+def check_runnable(backend, problem: PrefillProblem, device) -> None:
+    """Raise :class:`~pagedprefill.UnsupportedFeatureError` when ``backend`` cannot compute ``problem`` (already
+    validated) on ``device``: a feature it does not declare, or its own ``check_problem``'s refusal."""
+    check_features(backend, problem)
+    backend.check_problem(problem, device)
 
 
 def _describe(name: str) -> str:

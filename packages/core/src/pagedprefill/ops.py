@@ -42,9 +42,12 @@ argument                   default                 meaning
 ========================== ======================= ================================================
 
 An operator's schema has no ``None`` for a float or an int, so ``sm_scale``, ``sliding_window``,
-``max_query_len`` and ``fp8_out_scale`` say "absent" with the sentinels above (:data:`SCHEMA_ABSENT`), where the
+``max_query_len`` and ``fp8_out_scale`` say "absent" with the values above (:data:`SCHEMA_ABSENT`), where the
 typed objects (:class:`~pagedprefill.AttentionOptions`, :class:`~pagedprefill.BatchMetadata`) say ``None``.
 This module is the one place that converts between the two (:func:`build_problem` and :func:`op_arguments`).
+
+The arguments after the tensors, their types and defaults, and the conversions are those of
+:data:`pagedprefill.options.OPTIONS`: the operators' signatures (hence their schemas) are derived from it.
 
 ``k`` and ``v`` may both be None: the new tokens' keys/values are then read from the paged cache. With an
 FP8 output the functional operator returns ``float8_e4m3fn``; the in-place one writes ``out`` (FP8 e4m3).
@@ -81,6 +84,7 @@ from typing import Optional
 
 import torch
 
+from .options import BY_NAME, OPTIONS, Option, held_by, tensor_form
 from .runtime import _new_output, dispatch
 from .types import KVLayout, PrefillProblem
 from .validation import ARGUMENT_NAMES, ArgumentNames, validate_problem
@@ -92,52 +96,74 @@ LIBRARY_NAMESPACE = "pagedprefill"
 
 #: The operators' value for an absent scalar option (``None`` in the typed objects). Any value not above it
 #: means absent too: ``sm_scale <= 0``, ``sliding_window <= 0``, ``max_query_len < 0``, ``fp8_out_scale <= 0``.
-SCHEMA_ABSENT = {"sm_scale": 0.0, "sliding_window": 0, "max_query_len": -1, "fp8_out_scale": 0.0}
+SCHEMA_ABSENT = {o.name: o.schema_default for o in OPTIONS if o.absent_in_schema and o.schema is not str}
+
+#: The operators' tensor arguments, in order; the in-place operator has ``out`` after ``v``.
+TENSORS = (("q", torch.Tensor), ("k", Optional[torch.Tensor]), ("v", Optional[torch.Tensor]),
+           ("k_cache", torch.Tensor), ("v_cache", torch.Tensor), ("block_table", torch.Tensor),
+           ("query_start", torch.Tensor), ("seq_lens", torch.Tensor), ("context_lens", torch.Tensor))
+#: The options the typed objects hold (the cache's, the batch's and the attention options).
+_TYPED = held_by("cache") + held_by("batch") + held_by("options")
+#: The FP8 output scale, which decides the functional operator's output dtype.
+_FP8_OUT = BY_NAME["fp8_out_scale"]
 
 
-def _from_schema(name: str, value):
-    """An operator's scalar ``name`` as the typed objects hold it: None when it says absent."""
-    return value if value > SCHEMA_ABSENT[name] else None
+def _signature(inplace: bool) -> inspect.Signature:
+    """An operator's Python signature, from which ``torch.library`` infers its schema: the tensors, then every
+    option of the description with the schema's type and default."""
+    parameter = inspect.Parameter
+    tensors = list(TENSORS)
+    if inplace:
+        tensors.insert(3, ("out", torch.Tensor))
+    parameters = [parameter(name, parameter.POSITIONAL_OR_KEYWORD, annotation=kind) for name, kind in tensors]
+    for o in OPTIONS:
+        kind = Optional[torch.Tensor] if o.schema is torch.Tensor else o.schema
+        parameters.append(parameter(o.name, parameter.POSITIONAL_OR_KEYWORD, annotation=kind,
+                                    default=o.schema_default))
+    return inspect.Signature(parameters, return_annotation=None if inplace else torch.Tensor)
 
 
-def _to_schema(name: str, value):
-    """The typed objects' ``value`` of ``name`` as an operator argument: the sentinel for None."""
-    return SCHEMA_ABSENT[name] if value is None else value
+FUNCTIONAL_SIGNATURE = _signature(inplace=False)
+INPLACE_SIGNATURE = _signature(inplace=True)
 
 
-def _out_scale(fp8_out_scale: float, fp8_out_scale_tensor: Optional[torch.Tensor]):
-    """The FP8 output scale an operator call describes (the tensor wins), None without one."""
-    if fp8_out_scale_tensor is not None:
-        return fp8_out_scale_tensor
-    return _from_schema("fp8_out_scale", fp8_out_scale)
+def _bound(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
+    """An operator call's arguments by name, defaults filled in."""
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _typed(o: Option, arguments: dict):
+    """Option ``o`` of an operator call as the typed objects hold it: its tensor form where one is given (it
+    wins over the float), else the scalar with the schema's absent value read as None."""
+    twin = tensor_form(o.name)
+    if twin is not None and arguments[twin.name] is not None:
+        return arguments[twin.name]
+    return o.from_schema(arguments[o.name])
+
+
+def _layout(layout) -> Optional[KVLayout]:
+    """The layout an operator's ``layout`` names: None for ``"auto"`` (read from ``k_cache``)."""
+    if not isinstance(layout, str):
+        raise TypeError(f"layout: expected 'nhd', 'split' or 'auto', got {type(layout).__name__}")
+    if layout.lower() == "auto":
+        return None
+    try:
+        return KVLayout(layout.lower())
+    except ValueError:
+        raise ValueError(f"layout: expected 'nhd', 'split' or 'auto', got {layout!r}") from None
 
 
 def build_problem(*args, **kwargs) -> PrefillProblem:
     """The :class:`PrefillProblem` an in-place operator call describes, from the arguments of
     ``torch.ops.pagedprefill.prefill_attention_`` (positional or by name; ``backend``, ``validate`` and
-    ``argument_names`` are ignored), the schema's sentinels converted to ``None`` (:data:`SCHEMA_ABSENT`)."""
-    a = _bound(inspect.signature(_prefill_attention_inplace), args, kwargs)
-    layout = a["layout"]
-    if not isinstance(layout, str):
-        raise TypeError(f"layout: expected 'nhd', 'split' or 'auto', got {type(layout).__name__}")
-    cache_layout = None
-    if layout.lower() != "auto":
-        try:
-            cache_layout = KVLayout(layout.lower())
-        except ValueError:
-            raise ValueError(f"layout: expected 'nhd', 'split' or 'auto', got {layout!r}") from None
-    tensors = [a[name] for name in ("q", "k", "v", "out", "k_cache", "v_cache", "block_table", "query_start",
-                                    "seq_lens", "context_lens")]
-    return PrefillProblem.from_tensors(
-        *tensors, layout=cache_layout, kv_cache_dtype=a["kv_cache_dtype"],
-        k_scale=a["k_scale_tensor"] if a["k_scale_tensor"] is not None else a["k_scale"],
-        v_scale=a["v_scale_tensor"] if a["v_scale_tensor"] is not None else a["v_scale"],
-        max_query_len=_from_schema("max_query_len", a["max_query_len"]),
-        sm_scale=_from_schema("sm_scale", a["sm_scale"]), alibi_slopes=a["alibi_slopes"],
-        sliding_window=_from_schema("sliding_window", a["sliding_window"]), softcap=a["softcap"], sinks=a["sinks"],
-        causal=a["causal"], skip_decode=a["skip_decode"],
-        fp8_out_scale=_out_scale(a["fp8_out_scale"], a["fp8_out_scale_tensor"]),
-    )
+    ``argument_names`` are ignored), the schema's absent values converted to ``None`` (:data:`SCHEMA_ABSENT`)."""
+    a = _bound(INPLACE_SIGNATURE, args, kwargs)
+    scalars = {o.name: _typed(o, a) for o in _TYPED}
+    scalars["layout"] = _layout(a["layout"])
+    tensors = [a[name] for name, _ in TENSORS]
+    return PrefillProblem.from_tensors(*tensors[:3], a["out"], *tensors[3:], **scalars)
 
 
 def op_arguments(problem: PrefillProblem, backend: str = "") -> tuple[tuple, dict]:
@@ -146,25 +172,18 @@ def op_arguments(problem: PrefillProblem, backend: str = "") -> tuple[tuple, dic
     ``torch.ops.pagedprefill.prefill_attention(*tensors, **kwargs)`` computes ``problem``; for the in-place
     op insert the output after ``v``: ``tensors[:3] + (out,) + tensors[3:]``.
     """
-    c, b, o = problem.cache, problem.batch, problem.options
+    c, b = problem.cache, problem.batch
     tensors = (problem.q, problem.k, problem.v, c.key, c.value, b.block_table, b.query_start, b.seq_lens,
                b.context_lens)
-    kwargs = dict(layout=c.layout.value, kv_cache_dtype=c.dtype.value, sm_scale=_to_schema("sm_scale", o.sm_scale),
-                  sliding_window=_to_schema("sliding_window", o.sliding_window), softcap=float(o.softcap),
-                  alibi_slopes=o.alibi_slopes, sinks=o.sinks,
-                  max_query_len=_to_schema("max_query_len", b.max_query_len), backend=backend)
-    if not o.causal:
-        kwargs["causal"] = False
-    if o.skip_decode:
-        kwargs["skip_decode"] = True
-    scales = [("k_scale", c.k_scale), ("v_scale", c.v_scale)]
-    if o.fp8_out_scale is not None:
-        scales.append(("fp8_out_scale", o.fp8_out_scale))
-    for name, scale in scales:
-        if isinstance(scale, torch.Tensor):
-            kwargs[name + "_tensor"] = scale
+    holders = {"cache": c, "batch": b, "options": problem.options}
+    kwargs = {"backend": backend}
+    for o in _TYPED:
+        value = getattr(holders[o.held_by], o.attribute)
+        twin = tensor_form(o.name)
+        if twin is not None and isinstance(value, torch.Tensor):
+            kwargs[twin.name] = value
         else:
-            kwargs[name] = float(scale)
+            kwargs[o.name] = o.to_schema(value)
     return tensors, kwargs
 
 
@@ -176,114 +195,53 @@ def _names(argument_names: str) -> ArgumentNames:
     return ARGUMENT_NAMES[argument_names]
 
 
-def _run(problem: PrefillProblem, backend: str, validate: str, argument_names: str) -> None:
-    dispatch(problem, backend=backend or None, validate=validate, names=_names(argument_names))
+def _dispatch_call(problem: PrefillProblem, arguments: dict) -> None:
+    """Run ``problem`` through :func:`~pagedprefill.dispatch` with the call's backend, level and names."""
+    dispatch(problem, backend=arguments["backend"] or None, validate=arguments["validate"],
+             names=_names(arguments["argument_names"]))
 
 
-def _check(problem: PrefillProblem, argument_names: str) -> None:
+def _check_fake(problem: PrefillProblem, arguments: dict) -> None:
     """The ``basic`` validation (shapes, dtypes, devices only), usable on fake tensors while tracing."""
-    validate_problem(problem, "basic", _names(argument_names))
+    validate_problem(problem, "basic", _names(arguments["argument_names"]))
 
 
-def _bound(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
-    """An operator call's arguments by name, defaults filled in (how the fake implementations read them)."""
-    bound = signature.bind(*args, **kwargs)
-    bound.apply_defaults()
-    return dict(bound.arguments)
-
-
-def _prefill_attention(
-    q: torch.Tensor,
-    k: Optional[torch.Tensor],
-    v: Optional[torch.Tensor],
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    query_start: torch.Tensor,
-    seq_lens: torch.Tensor,
-    context_lens: torch.Tensor,
-    layout: str = "auto",
-    kv_cache_dtype: str = "auto",
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    k_scale_tensor: Optional[torch.Tensor] = None,
-    v_scale_tensor: Optional[torch.Tensor] = None,
-    sm_scale: float = 0.0,
-    sliding_window: int = 0,
-    softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None,
-    sinks: Optional[torch.Tensor] = None,
-    max_query_len: int = -1,
-    backend: str = "",
-    causal: bool = True,
-    skip_decode: bool = False,
-    fp8_out_scale: float = 0.0,
-    fp8_out_scale_tensor: Optional[torch.Tensor] = None,
-    validate: str = "basic",
-    argument_names: str = "native",
-) -> torch.Tensor:
+def _prefill_attention(*args, **kwargs) -> torch.Tensor:
     """Prefix-prefill attention over a paged KV cache; returns a new ``[T, H, D]`` tensor (see the module)."""
-    arguments = dict(locals())
-    out = _new_output(q, _out_scale(fp8_out_scale, fp8_out_scale_tensor), skip_decode)
-    _run(build_problem(**dict(arguments, out=out)), backend, validate, argument_names)
+    a = _bound(FUNCTIONAL_SIGNATURE, args, kwargs)
+    out = _new_output(a["q"], _typed(_FP8_OUT, a), a["skip_decode"])
+    _dispatch_call(build_problem(**dict(a, out=out)), a)
     return out
 
 
+_prefill_attention.__signature__ = FUNCTIONAL_SIGNATURE
 prefill_attention = torch.library.custom_op(f"{LIBRARY_NAMESPACE}::prefill_attention", _prefill_attention,
                                             mutates_args=())
 
 
 @prefill_attention.register_fake
 def _prefill_attention_fake(*args, **kwargs):
-    arguments = _bound(inspect.signature(_prefill_attention), args, kwargs)
-    fp8_out = _out_scale(arguments["fp8_out_scale"], arguments["fp8_out_scale_tensor"]) is not None
-    q = arguments["q"]
+    a = _bound(FUNCTIONAL_SIGNATURE, args, kwargs)
+    fp8_out = _typed(_FP8_OUT, a) is not None
+    q = a["q"]
     out = torch.empty_like(q, dtype=torch.float8_e4m3fn if fp8_out else q.dtype)
-    _check(build_problem(**dict(arguments, out=out)), arguments["argument_names"])
+    _check_fake(build_problem(**dict(a, out=out)), a)
     return out
 
 
-def _prefill_attention_inplace(
-    q: torch.Tensor,
-    k: Optional[torch.Tensor],
-    v: Optional[torch.Tensor],
-    out: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    query_start: torch.Tensor,
-    seq_lens: torch.Tensor,
-    context_lens: torch.Tensor,
-    layout: str = "auto",
-    kv_cache_dtype: str = "auto",
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    k_scale_tensor: Optional[torch.Tensor] = None,
-    v_scale_tensor: Optional[torch.Tensor] = None,
-    sm_scale: float = 0.0,
-    sliding_window: int = 0,
-    softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None,
-    sinks: Optional[torch.Tensor] = None,
-    max_query_len: int = -1,
-    backend: str = "",
-    causal: bool = True,
-    skip_decode: bool = False,
-    fp8_out_scale: float = 0.0,
-    fp8_out_scale_tensor: Optional[torch.Tensor] = None,
-    validate: str = "basic",
-    argument_names: str = "native",
-) -> None:
+def _prefill_attention_inplace(*args, **kwargs) -> None:
     """Prefix-prefill attention over a paged KV cache, written into ``out`` ``[T, H, D]`` (see the module)."""
-    _run(build_problem(**locals()), backend, validate, argument_names)
+    a = _bound(INPLACE_SIGNATURE, args, kwargs)
+    _dispatch_call(build_problem(**a), a)
 
 
+_prefill_attention_inplace.__signature__ = INPLACE_SIGNATURE
 prefill_attention_ = torch.library.custom_op(f"{LIBRARY_NAMESPACE}::prefill_attention_", _prefill_attention_inplace,
                                              mutates_args=("out",))
 
 
 @prefill_attention_.register_fake
 def _prefill_attention_inplace_fake(*args, **kwargs):
-    arguments = _bound(inspect.signature(_prefill_attention_inplace), args, kwargs)
-    _check(build_problem(**arguments), arguments["argument_names"])
+    a = _bound(INPLACE_SIGNATURE, args, kwargs)
+    _check_fake(build_problem(**a), a)
     return None

@@ -21,6 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .options import held_by
 from .tuning import tables_state
 from .types import PrefillProblem
 
@@ -29,6 +30,9 @@ MAX_PLANS = 4096
 
 #: ``plan(problem) -> bool``: launch ``problem``; False when it cannot (nothing was launched).
 Plan = Callable[[PrefillProblem], bool]
+
+#: The options a problem holds (a call's options are part of its signature).
+_HELD = held_by("cache") + held_by("batch") + held_by("options")
 
 _plans: dict = {}
 _lock = threading.Lock()
@@ -41,19 +45,21 @@ def _tensor(t) -> tuple:
 
 
 def call_signature(problem: PrefillProblem, backend: object, names: object) -> tuple:
-    """Everything the dispatch's decisions for ``problem`` depend on, except tensor values and addresses."""
-    p, c, b, o = problem, problem.cache, problem.batch, problem.options
+    """Everything the dispatch's decisions for ``problem`` depend on, except tensor values and addresses: every
+    tensor, and every option of the description (:data:`pagedprefill.options.OPTIONS`) the problem holds."""
+    p, c, b = problem, problem.cache, problem.batch
+    holders = {"cache": c, "batch": b, "options": p.options}
     return (
         _tensor(p.q), _tensor(p.k), _tensor(p.v), _tensor(p.out), _tensor(c.key), _tensor(c.value),
         _tensor(b.block_table), _tensor(b.query_start), _tensor(b.seq_lens), _tensor(b.context_lens),
-        _tensor(o.alibi_slopes), _tensor(o.sinks), _tensor(c.k_scale), _tensor(c.v_scale),
-        _tensor(o.fp8_out_scale), c.layout, c.dtype, b.max_query_len, o.sm_scale, o.sliding_window, o.softcap,
-        o.causal, o.skip_decode, backend,  # a Backend object is held by the key, so its identity stays unique
+        *(_tensor(getattr(holders[o.held_by], o.attribute)) for o in _HELD),
+        backend,  # a Backend object is held by the key, so its identity stays unique
         os.environ.get("PAGEDPREFILL_BACKEND"), id(names), tables_state(),
     )
 
 
-def lookup(signature: tuple) -> Optional[Plan]:
+def remembered(signature: tuple) -> Optional[Plan]:
+    """The plan :func:`remember` kept for ``signature``, or None."""
     try:
         return _plans.get(signature)
     except TypeError:  # an argument that cannot be hashed: validation will say what is wrong with it

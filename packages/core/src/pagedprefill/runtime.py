@@ -16,7 +16,7 @@ import torch
 
 from . import plans
 from .device import DeviceInfo, DeviceLike
-from .features import check_features
+from .features import check_runnable
 from .registry import Backend, Registry
 from .types import PrefillProblem
 from .validation import NATIVE_NAMES, ArgumentNames, ValidateMode, validate_problem, validate_values
@@ -78,21 +78,20 @@ def dispatch(problem: PrefillProblem, backend: BackendChoice = None, validate: V
     if validate == "basic":
         # A call like an earlier one (same shapes, strides, dtypes, options) repeats its decisions: launch.
         signature = plans.call_signature(problem, backend, names)
-        plan = plans.lookup(signature)
+        plan = plans.remembered(signature)
         if plan is not None and plan(problem):
             return problem.out
     validate_problem(problem, validate, names)
     info = DeviceInfo.detect(problem.device)
     chosen = get_registry().select(info, backend)
-    host_checks = getattr(chosen, "reads_metadata_on_host", False)
+    host_checks = chosen.reads_metadata_on_host
     if validate == "basic" and host_checks:
         try:
             validate_values(problem, names)
         except ValueError as exc:
             raise ValueError(f"{exc} (pass validate='full' to have every backend check this before running)") \
                 from None
-    check_features(chosen, problem)
-    chosen.check_problem(problem, info)
+    check_runnable(chosen, problem, info)
     plan = chosen.bind(problem, info)
     if signature is not None and not host_checks:
         plans.remember(signature, plan)

@@ -42,9 +42,10 @@ def padded_head_size(head_size: int) -> int:
 class ProblemShape:
     """The data-free description of a call that tiling policies decide on.
 
-    ``max_query_len`` is the caller's hint (None when not given); ``sliding_window`` is None without a window;
-    ``num_tokens``/``num_seqs`` are the tensor extents, so a policy can tell a batch of short queries from a
-    long prefill without reading lengths.
+    ``max_query_len`` is the caller's hint (None when not given); ``num_tokens``/``num_seqs`` are the tensor
+    extents, so a policy can tell a batch of short queries from a long prefill without reading lengths. Option
+    values that no policy reads (the sliding window, say) are not part of it: a shape is the key under which
+    a backend remembers its policy's tile, and such values would only split that memo.
     """
 
     head_size: int
@@ -56,7 +57,6 @@ class ProblemShape:
     num_tokens: int = 0
     num_seqs: int = 1
     max_query_len: Optional[int] = None
-    sliding_window: Optional[int] = None
     layout: str = "nhd"
 
     @property

@@ -13,6 +13,11 @@ from typing import Optional, Union
 
 import torch
 
+from .options import FEATURES, KV_IN_CACHE, held_by
+
+__all__ = ["FEATURES", "AttentionOptions", "BatchMetadata", "KVCacheDType", "KVLayout", "PagedKVCache",
+           "PrefillProblem", "ScaleLike"]
+
 ScaleLike = Union[float, torch.Tensor]
 
 
@@ -176,12 +181,6 @@ class PagedKVCache:
         return int(self.key.shape[4]) if self.layout is KVLayout.SPLIT else 1
 
 
-#: Names of the optional features a backend may or may not run (see :attr:`PrefillProblem.features`).
-#: ``kv_in_cache``: ``k``/``v`` are None and the new tokens' keys/values are read from the paged cache;
-#: ``non_causal``: ``causal=False``; ``skip_decode``; ``fp8_out_scale``.
-FEATURES = frozenset({"kv_in_cache", "non_causal", "skip_decode", "fp8_out_scale"})
-
-
 @dataclass(frozen=True)
 class AttentionOptions:
     """Optional features of the attention itself.
@@ -254,40 +253,31 @@ class PrefillProblem:
         query_start: torch.Tensor,
         seq_lens: torch.Tensor,
         context_lens: torch.Tensor,
-        *,
-        layout: Union[KVLayout, str, None] = None,
-        kv_cache_dtype: Union[KVCacheDType, str] = KVCacheDType.AUTO,
-        k_scale: ScaleLike = 1.0,
-        v_scale: ScaleLike = 1.0,
-        max_query_len: Optional[int] = None,
-        sm_scale: Optional[float] = None,
-        alibi_slopes: Optional[torch.Tensor] = None,
-        sliding_window: Optional[int] = None,
-        softcap: float = 0.0,
-        sinks: Optional[torch.Tensor] = None,
-        causal: bool = True,
-        skip_decode: bool = False,
-        fp8_out_scale: Optional[ScaleLike] = None,
+        **scalars,
     ) -> PrefillProblem:
         """The problem described by plain tensors and scalars: the one builder behind the drop-in
         signatures and the custom operators.
 
-        ``layout=None`` reads the layout from ``k_cache`` (5-D: split, else NHD). An int ``sliding_window``
-        ``<= 0`` means no window (the convention of the drop-in signatures; stored as ``None``). Every other
-        argument keeps the typed objects' form: ``None`` for an absent ``sm_scale``, ``max_query_len`` or
-        ``fp8_out_scale``. Nothing is validated here (see :func:`~pagedprefill.validate_problem`).
+        ``scalars`` are the options held by the cache, the batch and the attention options
+        (:data:`pagedprefill.options.OPTIONS` held by ``"cache"``, ``"batch"`` or ``"options"``: ``layout``,
+        ``kv_cache_dtype``, ``k_scale``, ``v_scale``, ``max_query_len`` and the fields of
+        :class:`AttentionOptions`), by name and in the typed objects' form (``None`` where absent), with the
+        description's defaults. ``layout=None`` reads the layout from ``k_cache`` (5-D: split, else NHD).
+        Nothing is validated here (see :func:`~pagedprefill.validate_problem`).
         """
-        if layout is None:
-            layout = KVLayout.SPLIT if isinstance(k_cache, torch.Tensor) and k_cache.dim() == 5 else KVLayout.NHD
-        if isinstance(sliding_window, int) and not isinstance(sliding_window, bool) and sliding_window <= 0:
-            sliding_window = None
-        cache = PagedKVCache(k_cache, v_cache, layout, KVCacheDType.parse(kv_cache_dtype), k_scale, v_scale)
+        values = {holder: {o.attribute: scalars.pop(o.name, o.default) for o in held_by(holder)}
+                  for holder in ("cache", "batch", "options")}
+        if scalars:
+            raise TypeError(f"from_tensors: unexpected arguments {sorted(scalars)}; expected options held by "
+                            f"the cache, the batch or AttentionOptions (pagedprefill.options.OPTIONS)")
+        cache_fields = values["cache"]
+        if cache_fields["layout"] is None:
+            split = isinstance(k_cache, torch.Tensor) and k_cache.dim() == 5
+            cache_fields["layout"] = KVLayout.SPLIT if split else KVLayout.NHD
+        cache = PagedKVCache(k_cache, v_cache, **cache_fields)
         batch = BatchMetadata(query_start=query_start, seq_lens=seq_lens, context_lens=context_lens,
-                              block_table=block_table, max_query_len=max_query_len)
-        options = AttentionOptions(sm_scale=sm_scale, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
-                                   softcap=softcap, sinks=sinks, causal=causal, skip_decode=skip_decode,
-                                   fp8_out_scale=fp8_out_scale)
-        return cls(q=q, k=k, v=v, out=out, cache=cache, batch=batch, options=options)
+                              block_table=block_table, **values["batch"])
+        return cls(q=q, k=k, v=v, out=out, cache=cache, batch=batch, options=AttentionOptions(**values["options"]))
 
     @property
     def kv_in_cache(self) -> bool:
@@ -297,16 +287,10 @@ class PrefillProblem:
     @property
     def features(self) -> frozenset:
         """The optional features (names from :data:`FEATURES`) this call uses; backends may refuse them."""
-        o = self.options
-        used = set()
+        used = {o.feature[0] for o in held_by("options") if o.feature and _differs(getattr(self.options, o.attribute),
+                                                                                  o.default)}
         if self.k is None or self.v is None:
-            used.add("kv_in_cache")
-        if not o.causal:
-            used.add("non_causal")
-        if o.skip_decode:
-            used.add("skip_decode")
-        if o.fp8_out_scale is not None:
-            used.add("fp8_out_scale")
+            used.add(KV_IN_CACHE[0])
         return frozenset(used)
 
     @property
@@ -331,3 +315,8 @@ class PrefillProblem:
     @property
     def device(self) -> torch.device:
         return self.q.device
+
+
+def _differs(value, default) -> bool:
+    """Whether an option's ``value`` is not its ``default`` (a tensor is compared by identity, with None)."""
+    return value is not default if default is None or isinstance(value, torch.Tensor) else value != default

@@ -21,6 +21,7 @@ from typing import Literal, Optional
 
 import torch
 
+from .options import held_by
 from .types import KVLayout, PagedKVCache, PrefillProblem
 
 ValidateMode = Literal["basic", "full"]
@@ -298,40 +299,64 @@ def _validate_batch(p: PrefillProblem, names: ArgumentNames) -> None:
 
 
 def _validate_options(p: PrefillProblem) -> None:
-    o = p.options
+    """Each attention option, by the check its description names (:attr:`pagedprefill.options.Option.check`)."""
+    for o in held_by("options"):
+        _OPTION_CHECKS[o.check](o.name, getattr(p.options, o.attribute), p)
+
+
+def _check_scale(name: str, value, p: PrefillProblem) -> None:
+    """None, or a finite positive float (``sm_scale``)."""
+    if value is not None and (not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0):
+        raise ValueError(f"{name}: expected a finite positive float or None, got {value!r}")
+
+
+def _check_per_head(name: str, t, p: PrefillProblem) -> None:
+    """None, or a contiguous ``[H]`` float tensor on ``q``'s device (``alibi_slopes``, ``sinks``)."""
+    if t is None:
+        return
+    _expect_tensor(name, t)
     H = p.num_heads
-    if o.sm_scale is not None and (not isinstance(o.sm_scale, (int, float)) or not math.isfinite(o.sm_scale)
-                                   or o.sm_scale <= 0):
-        raise ValueError(f"sm_scale: expected a finite positive float or None, got {o.sm_scale!r}")
-    for name in ("alibi_slopes", "sinks"):
-        t = getattr(o, name)
-        if t is None:
-            continue
-        _expect_tensor(name, t)
-        if t.dim() != 1 or t.shape[0] != H:
-            raise ValueError(f"{name}: expected shape [{H}] (one per query head), got {_shape(t)}")
-        _expect_dtype(name, t, FLOAT_DTYPES)
-        _expect_device(name, t, p.q.device)
-        _expect_unit_stride(name, t)
-    w = o.sliding_window
+    if t.dim() != 1 or t.shape[0] != H:
+        raise ValueError(f"{name}: expected shape [{H}] (one per query head), got {_shape(t)}")
+    _expect_dtype(name, t, FLOAT_DTYPES)
+    _expect_device(name, t, p.q.device)
+    _expect_unit_stride(name, t)
+
+
+def _check_window(name: str, w, p: PrefillProblem) -> None:
+    """None or a positive int (``sliding_window``; the typed objects store 0 as None)."""
     if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 0):
-        raise ValueError(f"sliding_window: expected None or an int >= 0 (0 = no window), got {w!r}")
-    if not isinstance(o.softcap, (int, float)) or not math.isfinite(o.softcap) or o.softcap < 0:
-        raise ValueError(f"softcap: expected a finite float >= 0 (0 = off), got {o.softcap!r}")
-    for name in ("causal", "skip_decode"):
-        if not isinstance(getattr(o, name), bool):
-            raise TypeError(f"{name}: expected a bool, got {type(getattr(o, name)).__name__}")
-    s = o.fp8_out_scale
+        raise ValueError(f"{name}: expected None or an int >= 0 (0 = no window), got {w!r}")
+
+
+def _check_cap(name: str, value, p: PrefillProblem) -> None:
+    """A finite float >= 0, 0 meaning off (``softcap``)."""
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name}: expected a finite float >= 0 (0 = off), got {value!r}")
+
+
+def _check_flag(name: str, value, p: PrefillProblem) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+
+
+def _check_out_scale(name: str, s, p: PrefillProblem) -> None:
+    """None, a finite positive float, or a 1-element float tensor on ``q``'s device (``fp8_out_scale``)."""
     if isinstance(s, torch.Tensor):
         if s.numel() != 1:
-            raise ValueError(f"fp8_out_scale: expected None, a float or a 1-element tensor, got shape {_shape(s)}")
-        _expect_dtype("fp8_out_scale", s, FLOAT_DTYPES)
-        _expect_device("fp8_out_scale", s, p.q.device)
+            raise ValueError(f"{name}: expected None, a float or a 1-element tensor, got shape {_shape(s)}")
+        _expect_dtype(name, s, FLOAT_DTYPES)
+        _expect_device(name, s, p.q.device)
     elif s is not None:
         if not isinstance(s, (int, float)) or isinstance(s, bool):
-            raise TypeError(f"fp8_out_scale: expected None, a float or a 1-element tensor, got {type(s).__name__}")
+            raise TypeError(f"{name}: expected None, a float or a 1-element tensor, got {type(s).__name__}")
         if not math.isfinite(s) or s <= 0:
-            raise ValueError(f"fp8_out_scale: expected a finite positive scale, got {s}")
+            raise ValueError(f"{name}: expected a finite positive scale, got {s}")
+
+
+#: The checks an attention option's description may name (:attr:`pagedprefill.options.Option.check`).
+_OPTION_CHECKS = {"scale": _check_scale, "per_head": _check_per_head, "window": _check_window, "cap": _check_cap,
+                  "flag": _check_flag, "out_scale": _check_out_scale}
 
 
 def validate_values(p: PrefillProblem, names: ArgumentNames = NATIVE_NAMES) -> None:

@@ -39,7 +39,7 @@ from typing import Optional
 
 import torch
 
-from .api import BackendChoice, _run
+from .api import BackendChoice, _dispatch_or_record, _drop_in_window
 from .types import PrefillProblem, ScaleLike
 from .validation import VLLM_NAMES, ValidateMode, dtype_name
 
@@ -134,7 +134,8 @@ def context_attention_fwd(
     problem = PrefillProblem.from_tensors(
         q, k, v, o, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, context_lens,
         kv_cache_dtype=_cache_dtype(kv_cache_dtype, k_cache), k_scale=k_scale, v_scale=v_scale,
-        max_query_len=max_input_len, sm_scale=sm_scale, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
-        softcap=softcap, sinks=sinks, causal=causal, skip_decode=skip_decode, fp8_out_scale=fp8_out_scale)
-    _run(problem, backend, validate, VLLM_NAMES)
+        max_query_len=max_input_len, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
+        sliding_window=_drop_in_window(sliding_window), softcap=softcap, sinks=sinks, causal=causal,
+        skip_decode=skip_decode, fp8_out_scale=fp8_out_scale)
+    _dispatch_or_record(problem, backend, validate, VLLM_NAMES)
     return None

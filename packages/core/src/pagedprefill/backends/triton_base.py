@@ -6,7 +6,6 @@ import dataclasses
 import functools
 
 from ..device import DeviceInfo, interpreter_enabled, interpreter_unready, triton_installed
-from ..features import check_features
 from ..registry import Backend, UnsupportedFeatureError
 from ..tiling import ProblemShape, TileConfig
 from ..tuning import tables_state
@@ -26,7 +25,6 @@ def problem_shape(problem: PrefillProblem) -> ProblemShape:
         num_tokens=problem.num_tokens,
         num_seqs=problem.batch.num_seqs,
         max_query_len=problem.batch.max_query_len,
-        sliding_window=problem.options.sliding_window,
         layout=problem.cache.layout.value,
     )
 
@@ -51,7 +49,7 @@ class TritonBackend(Backend):
     #: Whether the backend accepts CPU tensors under ``TRITON_INTERPRET=1``.
     runs_in_interpreter = False
 
-    #: Optional features (names from :data:`pagedprefill.types.FEATURES`: ``"kv_in_cache"``,
+    #: Optional features (names from :data:`pagedprefill.options.FEATURES`: ``"kv_in_cache"``,
     #: ``"non_causal"``, ``"skip_decode"``, ``"fp8_out_scale"``) the kernel computes: all of them. A subclass
     #: for hardware that lacks one (FP8 stores, say) removes its name; the dispatch then refuses it with
     #: :class:`UnsupportedFeatureError` naming it.
@@ -105,9 +103,8 @@ class TritonBackend(Backend):
         return compile_for_target(problem, config, capability)
 
     def check_problem(self, problem: PrefillProblem, device: DeviceInfo) -> None:
-        """Refuse optional features outside :attr:`supported_features`, and a problem whose smallest tile
-        cannot fit the device's shared memory."""
-        check_features(self, problem)
+        """Refuse a problem whose smallest tile cannot fit the device's shared memory (the optional features
+        outside :attr:`supported_features` are refused before, by :func:`pagedprefill.features.check_runnable`)."""
         if device.type == "cpu" or not device.max_shared_mem:
             return
         shape = problem_shape(problem)

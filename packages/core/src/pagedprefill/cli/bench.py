@@ -24,6 +24,7 @@ import torch
 
 from .. import accelerator
 from ..cache import gather_kv
+from ..features import check_runnable
 from ..types import PrefillProblem
 from ..workloads import BatchSpec, Workload, default_suite, flops, fresh_output, make_problem
 from .arguments import data_device, positive_int
@@ -105,7 +106,7 @@ def run_suite(backends: list[str], workloads: list[Workload], device: torch.devi
                 if backend.supports(info):
                     continue
                 try:
-                    backend.check_problem(problem, info)
+                    check_runnable(backend, problem, info)
                 except Exception:
                     continue
                 label = _layouts_label(name, layout, layouts)

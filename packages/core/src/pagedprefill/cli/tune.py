@@ -47,9 +47,6 @@ def tune(backend_name: str, head_sizes, dtypes, workloads, device: torch.device,
 
     info = DeviceInfo.detect(device)
     backend = get_registry().get(backend_name)
-    if not hasattr(backend, "search_space"):
-        raise ValueError(f"--backend: backend {backend_name!r} declares no search_space(), so there is nothing "
-                         "to tune; choose a backend that does (sm80)")
     entries, report = {}, []
     keys = [(d, t, w, lay) for d in head_sizes for t in dtypes for w in workloads for lay in layouts]
     started = time.time()
@@ -60,6 +57,10 @@ def tune(backend_name: str, head_sizes, dtypes, workloads, device: torch.device,
         shape = problem_shape(problem)
         key = table_key(shape, info)
         candidates = backend.search_space(shape, info)
+        if not candidates:
+            raise ValueError(f"--backend: backend {backend_name!r} offers no tiles to measure for {key} (its "
+                             "search_space() is empty), so there is nothing to tune; choose a backend that "
+                             "declares a search space (sm80)")
         elapsed = time.time() - started
         eta = f", about {elapsed / i * (len(keys) - i):.0f} s left" if i else ""
         log(f"[{i + 1}/{len(keys)}] {key}: {len(candidates)} candidates ({elapsed:.0f} s so far{eta})")
@@ -117,7 +118,7 @@ def cmd_tune(args) -> int:
 def register(sub) -> None:
     p = sub.add_parser("tune", help="sweep a backend's tile configs on this GPU and write its policy table")
     p.add_argument("--backend", default="sm80",
-                   help="backend whose declared search space is swept; it must define search_space() "
+                   help="backend whose declared search space is swept; its search_space() must offer tiles "
                         "(default: %(default)s)")
     p.add_argument("--device", type=data_device, default=None,
                    help="CUDA device to tune on (default: the current one)")

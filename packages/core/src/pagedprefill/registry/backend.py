@@ -13,7 +13,7 @@ __all__ = ["Backend", "BackendUnavailableError", "UnsupportedFeatureError"]  # t
 
 
 class Backend:
-    """Base class of a backend.
+    """Base class of a backend: everything core asks a backend about is declared here, with its default.
 
     Subclasses set :attr:`name`, :attr:`priority` and :attr:`description`, implement :meth:`supports`
     and :meth:`run`, and may provide a :attr:`policy`.
@@ -24,19 +24,29 @@ class Backend:
             specific 200 and up).
         description: one line for ``pagedprefill info``.
         policy: the tiling policy, or None for backends that do not tile.
+        supported_features: the optional features (names from :data:`pagedprefill.options.FEATURES`) the
+            backend computes; dispatch refuses the others with :class:`UnsupportedFeatureError` naming them
+            (:func:`pagedprefill.features.check_features`). None by default.
+        reads_metadata_on_host: whether the backend reads the lengths and block table on the host anyway (the
+            reference does). Dispatch then runs the ``"full"`` value checks even with ``validate="basic"``
+            (a bad block number is a ``ValueError`` naming the argument, not an ``IndexError``) and keeps no
+            launch plan for it. False by default: the Triton backends never read metadata on the host.
     """
 
     name: str = "unnamed"
     priority: int = 0
     description: str = ""
     policy: Optional[TilingPolicy] = None
+    supported_features: frozenset = frozenset()
+    reads_metadata_on_host: bool = False
 
     def supports(self, device: DeviceInfo) -> list[str]:
         """Reasons this backend cannot run on ``device``; an empty list means it can."""
         raise NotImplementedError
 
     def check_problem(self, problem: PrefillProblem, device: DeviceInfo) -> None:
-        """Raise :class:`UnsupportedFeatureError` if this backend cannot compute ``problem``."""
+        """Raise :class:`UnsupportedFeatureError` if this backend cannot compute ``problem`` on ``device``, for a
+        reason beyond :attr:`supported_features` (checked before, by core). Nothing by default."""
 
     def run(self, problem: PrefillProblem, device: DeviceInfo) -> None:
         """Compute ``problem`` into ``problem.out`` (inputs are already validated)."""
@@ -71,6 +81,11 @@ class Backend:
         """``(kernel, why)``: the kernel this backend's policy picks for calls of ``shape`` on ``device`` and the
         reason, for ``pagedprefill info`` (by default the backend's own name and no reason)."""
         return self.name, ""
+
+    def search_space(self, shape: ProblemShape, device: DeviceInfo) -> list[TileConfig]:
+        """The tiles ``pagedprefill tune`` measures for ``shape`` on ``device`` (none by default: nothing to
+        tune). Each must be one the backend's kernel can run for ``shape``."""
+        return []
 
     def tile_config(self, shape: ProblemShape, device: DeviceInfo) -> Optional[TileConfig]:
         """The tile this backend would use for ``shape`` on ``device`` (None if it does not tile)."""

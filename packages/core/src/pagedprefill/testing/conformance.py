@@ -31,7 +31,7 @@ import torch
 from ..api import get_registry
 from ..backends.triton_base import TritonBackend
 from ..device import DeviceInfo, interpreter_enabled
-from ..features import check_features, missing_features
+from ..features import check_runnable, missing_features
 from ..registry import UnsupportedFeatureError
 from ..tiling import settle
 from ..types import KVCacheDType, PrefillProblem
@@ -81,8 +81,7 @@ class ConformanceSuite:
         backend = get_registry().get(self.backend)
         if device.type == "cpu" and isinstance(backend, TritonBackend) and not interpreter_enabled():
             pytest.skip(f"backend {self.backend!r} runs Triton kernels: on the CPU set TRITON_INTERPRET=1")
-        check_features(backend, problem)
-        backend.check_problem(problem, info)
+        check_runnable(backend, problem, info)
         plan = backend.bind(problem, info)
         again = fresh_output(problem)
         assert plan(again), f"backend {self.backend!r}: its plan declined a problem of the same signature"

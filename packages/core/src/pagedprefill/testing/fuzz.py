@@ -57,6 +57,7 @@ import torch
 
 from ..api import get_registry, select_backend
 from ..device import DeviceInfo, interpreter_enabled
+from ..features import check_runnable
 from ..registry import Backend, UnsupportedFeatureError
 from ..types import FEATURES
 from ..validation import validate_problem
@@ -474,7 +475,7 @@ def run_case(backend: Backend, info: DeviceInfo, device: torch.device, spec: Bat
     problem = make_problem(spec, device)
     validate_problem(problem, "full")
     try:
-        backend.check_problem(problem, info)
+        check_runnable(backend, problem, info)
     except UnsupportedFeatureError:
         return False
     backend.run(problem, info)
@@ -520,7 +521,7 @@ def run_fuzz(
     chosen = _resolve_backend(backend, device)
     info = DeviceInfo.detect(device)
     result = FuzzResult(backend=chosen.name, device=str(device), seed=seed)
-    generator = FuzzGenerator(seed, sizes, getattr(chosen, "supported_features", frozenset()))
+    generator = FuzzGenerator(seed, sizes, chosen.supported_features)
     variants: set = set()
     compiled_before = _compiled_kernel_count(device)
     start = time.perf_counter()

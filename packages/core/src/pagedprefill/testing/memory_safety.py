@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 
 from ..device import DeviceInfo
+from ..features import check_runnable
 from ..registry import Backend
 from ..types import BatchMetadata, PrefillProblem
 from ..validation import validate_problem
@@ -173,7 +174,7 @@ def check_corrupt_metadata(backend: Backend, info: DeviceInfo, device: torch.dev
         snapshot = {n: buf.clone() for n, buf in bufs.items()}
         out_guards = out_buf.clone()
         validate_problem(problem, "basic")  # what the default lets through
-        if getattr(backend, "reads_metadata_on_host", False):
+        if backend.reads_metadata_on_host:
             # Such a backend (the reference) gets the full value checks from dispatch even with "basic":
             # the call raises, naming an argument, and runs nothing.
             from ..api import dispatch
@@ -185,7 +186,7 @@ def check_corrupt_metadata(backend: Backend, info: DeviceInfo, device: torch.dev
             else:
                 raise AssertionError(f"{label}: {name}: backend {backend.name!r} computed corrupt metadata")
         else:
-            backend.check_problem(problem, info)
+            check_runnable(backend, problem, info)
             backend.run(problem, info)
         _synchronize(device)
         for buf_name, buf in bufs.items():
@@ -203,7 +204,7 @@ def check_corrupt_metadata(backend: Backend, info: DeviceInfo, device: torch.dev
         checked.append(name)
     # The device still works: a valid call on the same backend gives the right result.
     valid = make_problem(spec, device)
-    backend.check_problem(valid, info)
+    check_runnable(backend, valid, info)
     backend.run(valid, info)
     _synchronize(device)
     atol, rtol = DEFAULT_TOLERANCES[spec.dtype]
