@@ -28,7 +28,7 @@ def pytest_addoption(parser):
     group.addoption("--pagedprefill-size", default=None, choices=("small", "large"),
                     help="case sizes: small (interpreter-friendly) or large (default on GPUs)")
     group.addoption("--pagedprefill-sweep", type=int, default=None,
-                    help="number of random cases in the conformance sweep (default 6 on CPU, 200 on GPU)")
+                    help="number of random cases in the conformance sweep (default 8 on CPU, 200 on GPU)")
     group.addoption("--pagedprefill-fuzz", type=int, default=2000,
                     help="number of random cases of the GPU fuzz against the reference (default 2000)")
 
@@ -54,7 +54,7 @@ def pagedprefill_size(request, pagedprefill_device) -> str:
 @pytest.fixture(scope="session")
 def pagedprefill_sweep(request, pagedprefill_device) -> int:
     n = request.config.getoption("--pagedprefill-sweep")
-    return n if n is not None else (6 if pagedprefill_device.type == "cpu" else 200)
+    return n if n is not None else (8 if pagedprefill_device.type == "cpu" else 200)
 
 
 @pytest.fixture(scope="session")
