@@ -10,7 +10,8 @@
 #   hopper       ci/gpu/hopper_check.py: sm80's Hopper kernel against the reference on a spread of cases, and
 #                its schedule variants timed against the portable kernel (sm90 only); HOPPER_CHECK_ARGS adds
 #                arguments (e.g. "--schedule PINGPONG=1" checks that schedule's correctness);
-#   hopper-conformance  sm80's conformance suite with the Hopper kernel forced (sm90 only), a short sweep.
+#   hopper-conformance  sm80's conformance suite with the Hopper kernel forced (sm90 only), a short sweep;
+#   guard-cost   ci/gpu/guard_cost.py: the portable kernel's memory-safety guards timed on the bench suite.
 # Usage: ci/gpu/verify.sh OUTDIR [step ...]   (default: core-gpu conformance fuzz=2000 bench)
 # STEP_TIMEOUT bounds each test step (seconds, default 600); COMMIT names the commit the bench records.
 set -u
@@ -62,7 +63,10 @@ for step in ${*:-core-gpu conformance fuzz=2000 bench}; do
         packages/backend-sm80/tests/test_sm80_hopper_conformance.py --pagedprefill-device=cuda \
         --pagedprefill-sweep="${SWEEP:-16}" >"$out/hopper-conformance.log" 2>&1 || rc=1
       results "$out/hopper-conformance.log" ;;
-    *) echo "unknown step $step (core-gpu, conformance[=BACKENDS], fuzz=N, bench, hopper, hopper-conformance)"; rc=2 ;;
+    guard-cost)
+      timeout "$limit" python3 ci/gpu/guard_cost.py --reps 60 >"$out/guard_cost.log" 2>&1 || rc=1
+      sed -n '/^workload | layout/,$p' "$out/guard_cost.log" ;;
+    *) echo "unknown step $step (core-gpu, conformance[=BACKENDS], fuzz=N, bench, hopper, hopper-conformance, guard-cost)"; rc=2 ;;
   esac
 done
 exit $rc
