@@ -79,6 +79,8 @@ VARIANTS = [
     ("pingpong", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
     ("pingpong-turns", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=True)),
     ("pingpong-s4", dict(num_stages=4), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
+    # Twice the keys per step halves the per-tile work outside the MMAs (for head size 64 most of it).
+    ("pingpong-n128-s2", dict(block_n=128, num_stages=2), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
 ]
 
 
