@@ -73,12 +73,15 @@ def check(info, backend) -> list[tuple]:
 
 
 #: Variants timed against each other: (label, tile changes, schedule).
-#: (Measured before and left out, docs/performance.md run 3: index order, 128-key tiles with 2 stages.)
+#: (Measured before and left out, docs/performance.md run 3: index order, 128-key tiles with 2 stages, and
+#: OVERLAP without PINGPONG.)
 VARIANTS = [
     ("hopper", {}, dict(HEAVY_FIRST=True, PINGPONG=False, TURNS=False)),
     ("pingpong", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
     ("pingpong-turns", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=True)),
     ("pingpong-s4", dict(num_stages=4), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
+    ("pingpong-overlap", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=True)),
+    ("pingpong-overlap-turns", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=True, OVERLAP=True)),
     # Twice the keys per step halves the per-tile work outside the MMAs (for head size 64 most of it).
     ("pingpong-n128-s2", dict(block_n=128, num_stages=2), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
 ]

@@ -118,6 +118,7 @@ SCHEDULES = {
     "in-order": dict(HEAVY_FIRST=False, PINGPONG=False, TURNS=False),
     "pingpong": dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False),
     "pingpong-turns": dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=True),
+    "pingpong-overlap-turns": dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=True, OVERLAP=True),
 }
 
 
@@ -172,8 +173,11 @@ def test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma():
             # Two consumer partitions of one warpgroup each, each with its own MMAs; the launch is the first's.
             assert pingpong["launch_warps"] == 4 and pingpong["wgmma"] == 2 * plain["wgmma"], call
             assert summaries[f"{call}/pingpong-turns"]["wgmma"] == pingpong["wgmma"], call
+            # The spare Q K^T of the overlapped loop's prologue: one more MMA per consumer.
+            assert summaries[f"{call}/pingpong-overlap-turns"]["wgmma"] > pingpong["wgmma"], call
         else:  # one warpgroup holds the whole tile: nothing to split, no one to take turns with
             assert pingpong == plain == summaries[f"{call}/pingpong-turns"], call
+            assert summaries[f"{call}/pingpong-overlap-turns"]["wgmma"] > plain["wgmma"], call
 
 
 def test_codegen_report_shows_the_hopper_kernel(tmp_path):

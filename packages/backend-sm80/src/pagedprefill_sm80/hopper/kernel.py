@@ -46,6 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
+    warpgroup_mma_wait,
 )
 
 
@@ -225,7 +226,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns,
               NUM_WARPS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
               ALIBI: gl.constexpr, SINKS: gl.constexpr, NEW_KV_IN_CACHE: gl.constexpr,
               OUT_SCALE: gl.constexpr, OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr,
-              SPLIT: gl.constexpr, TURNS: gl.constexpr):
+              SPLIT: gl.constexpr, TURNS: gl.constexpr, OVERLAP: gl.constexpr):
     """Consume the ring for rows ``ROW0 .. ROW0 + BLOCK_M`` of the tile (``q_smem`` holds those rows):
     scores, online softmax and ``P V`` per key tile; then normalise and store.
 
@@ -233,7 +234,8 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns,
     ``output`` (out and its scale), ``rows`` (where the tile's rows are), ``walk`` (its key tiles,
     :func:`_key_tiles`) and ``features`` (per-call feature values); then the constexprs. With ``TURNS``,
     ``turns`` is ``(mine, other)``: this consumer issues a tile's ``Q K^T`` only when ``mine`` says it is its
-    turn, then hands the turn to the other consumer, so the two take the tensor cores in alternation.
+    turn, then hands the turn to the other consumer, so the two take the tensor cores in alternation (with
+    ``OVERLAP``, the turn covers the next tile's ``Q K^T`` and this tile's ``P V``, issued together).
     """
     k_smem, v_smem, vt_smem, ready, empty = ring
     Out, stride_ot, stride_oh, out_scale, out_scale_ptr = output
@@ -263,28 +265,80 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns,
     else:
         kv_len = ctx_len
 
-    for it in range(cache_tiles + new_tiles):
-        s = it % STAGES
-        _wait_tile(ready, it, it < cache_tiles, SPLIT, STAGES)
-        if TURNS:
-            mbarrier.wait(turns[0], it & 1)
-        scores = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)),
-                               gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False)
-        if TURNS:
-            mbarrier.arrive(turns[1], count=1)
-        p_op, alpha, m_i, l_i = _softmax_tile(
-            scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap, qk_scale,
-            cache_start, cache_tiles, new_start, pos_first, full_from, p_layout, q_smem.dtype, BLOCK_N, CAUSAL,
-            WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        if SPLIT and it < cache_tiles:
-            # Cached values arrive transposed (V^T pages) in their own ring, new tokens' values as rows.
-            acc = warpgroup_mma(p_op, vt_smem.index(s).permute((1, 0)), acc)
-        else:
-            acc = warpgroup_mma(p_op, v_smem.index(s), acc)
-        # Every warp of this consumer is past its MMAs before the buffer is handed back to the producer.
-        gl.thread_barrier()
-        mbarrier.arrive(empty.index(s), count=1)
+    total = cache_tiles + new_tiles
+    if OVERLAP:
+        # Q K^T of tile it + 1 and P V of tile it are issued back to back, and the softmax of tile it + 1 runs
+        # while P V of tile it is still on the tensor cores. The last iteration issues a spare Q K^T on its own
+        # (still held) buffer rather than a conditional one.
+        scores = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        p_op = gl.zeros([BLOCK_M, BLOCK_N], q_smem.dtype, p_layout)
+        alpha = gl.full([BLOCK_M], 1.0, gl.float32, row_s)
+        if total > 0:
+            _wait_tile(ready, 0, 0 < cache_tiles, SPLIT, STAGES)
+            scores = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), scores, use_acc=False)
+            p_op, alpha, m_i, l_i = _softmax_tile(
+                scores, m_i, l_i, 0, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap, qk_scale,
+                cache_start, cache_tiles, new_start, pos_first, full_from, p_layout, q_smem.dtype, BLOCK_N, CAUSAL,
+                WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE)
+        for it in range(total):
+            s = it % STAGES
+            has_next = it + 1 < total
+            s_next = gl.where(has_next, (it + 1) % STAGES, s)
+            if has_next:
+                _wait_tile(ready, it + 1, it + 1 < cache_tiles, SPLIT, STAGES)
+            if TURNS:
+                mbarrier.wait(turns[0], it & 1)
+            next_token = warpgroup_mma(q_smem, k_smem.index(s_next).permute((1, 0)),
+                                       gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                                       is_async=True)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            if SPLIT:
+                # Which ring holds tile it's values is known at run time only: P V stays synchronous here.
+                if it < cache_tiles:
+                    acc = warpgroup_mma(p_op, vt_smem.index(s).permute((1, 0)), acc)
+                else:
+                    acc = warpgroup_mma(p_op, v_smem.index(s), acc)
+                if TURNS:
+                    mbarrier.arrive(turns[1], count=1)
+                scores = warpgroup_mma_wait(0, deps=[next_token])
+            else:
+                acc_token = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
+                if TURNS:
+                    mbarrier.arrive(turns[1], count=1)
+                scores = warpgroup_mma_wait(1, deps=[next_token])  # Q K^T went first: done; P V may run on
+            if has_next:
+                p_op, alpha, m_i, l_i = _softmax_tile(
+                    scores, m_i, l_i, it + 1, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap,
+                    qk_scale, cache_start, cache_tiles, new_start, pos_first, full_from, p_layout, q_smem.dtype,
+                    BLOCK_N, CAUSAL, WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE)
+            if not SPLIT:
+                acc = warpgroup_mma_wait(0, deps=[acc_token])
+            # Every warp of this consumer is past its MMAs before the buffer is handed back to the producer.
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index(s), count=1)
+    else:
+        for it in range(total):
+            s = it % STAGES
+            _wait_tile(ready, it, it < cache_tiles, SPLIT, STAGES)
+            if TURNS:
+                mbarrier.wait(turns[0], it & 1)
+            scores = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)),
+                                   gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False)
+            if TURNS:
+                mbarrier.arrive(turns[1], count=1)
+            p_op, alpha, m_i, l_i = _softmax_tile(
+                scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap, qk_scale,
+                cache_start, cache_tiles, new_start, pos_first, full_from, p_layout, q_smem.dtype, BLOCK_N, CAUSAL,
+                WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            if SPLIT and it < cache_tiles:
+                # Cached values arrive transposed (V^T pages) in their own ring, new tokens' values as rows.
+                acc = warpgroup_mma(p_op, vt_smem.index(s).permute((1, 0)), acc)
+            else:
+                acc = warpgroup_mma(p_op, v_smem.index(s), acc)
+            # Every warp of this consumer is past its MMAs before the buffer is handed back to the producer.
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index(s), count=1)
 
     sink2 = gl.zeros([BLOCK_M], gl.float32, row_o)
     if SINKS:
@@ -318,7 +372,7 @@ def hopper_prefill_kernel(
     CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
     SKIP_DECODE: gl.constexpr, NEW_KV_IN_CACHE: gl.constexpr, OUT_SCALE: gl.constexpr,
     OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-    SPLIT: gl.constexpr, X: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr,
+    SPLIT: gl.constexpr, X: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr, OVERLAP: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Prefix-prefill attention of one query tile on sm90 (see the module docstring).
@@ -334,6 +388,7 @@ def hopper_prefill_kernel(
     warps), which run their MMAs and softmaxes independently, so one's softmax can overlap the other's MMAs;
     otherwise one consumer partition of ``NUM_WARPS`` warps runs the whole tile in lockstep. ``TURNS`` (with
     ``PINGPONG``) makes the two consumers issue their ``Q K^T`` in strict alternation, the first one first.
+    ``OVERLAP`` issues each tile's ``Q K^T`` before the previous tile's softmax is done with (see _consumer).
     """
     TOKENS_PER_TILE: gl.constexpr = BLOCK_M // HEADS_PER_TILE
     tile = gl.program_id(0)
@@ -411,11 +466,11 @@ def hopper_prefill_kernel(
             (_consumer, (q_smem.slice(0, ROWS), ring, output, rows, walk, features, (turn.index(0), turn.index(1)),
                          HEAD_SIZE, 0, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
-                         TURNS)),
+                         TURNS, OVERLAP)),
             (_consumer, (q_smem.slice(ROWS, ROWS), ring, output, rows, walk, features, (turn.index(1), turn.index(0)),
                          HEAD_SIZE, ROWS, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
-                         TURNS)),
+                         TURNS, OVERLAP)),
             (_producer, (loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
                          HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X)),
         ], [LAUNCH_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -424,7 +479,7 @@ def hopper_prefill_kernel(
             (_consumer, (q_smem, ring, output, rows, walk, features, (turn.index(0), turn.index(1)),
                          HEAD_SIZE, 0, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
-                         False)),
+                         False, OVERLAP)),
             (_producer, (loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
                          HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X)),
         ], [1], [PRODUCER_REGS])

@@ -159,8 +159,9 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: least as fast as index order on every row (up to 4% faster): docs/performance.md, run 3. (Issuing the next
 #: tile's Q K^T before this tile's softmax measured 3-12% slower there and is not kept.) ``PINGPONG`` gives each
 #: consumer warpgroup a partition of its own (tiles of 8 warps only), ``TURNS`` makes those two issue their
-#: Q K^T in alternation; both off until they have run on the GPU.
-SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=False, TURNS=False)
+#: Q K^T in alternation, and ``OVERLAP`` issues each tile's Q K^T together with the previous tile's P V (as an
+#: asynchronous MMA) so that the softmax runs under it; all off until they have run on the GPU.
+SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=False, TURNS=False, OVERLAP=False)
 #: Registers per thread of the second consumer partition under ``PINGPONG`` (the first, the kernel's default
 #: partition, keeps what the others leave).
 CONSUMER_REGS = 240
