@@ -84,6 +84,8 @@ VARIANTS = [
     ("pingpong-overlap-turns", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=True, OVERLAP=True)),
     # Twice the keys per step halves the per-tile work outside the MMAs (for head size 64 most of it).
     ("pingpong-n128-s2", dict(block_n=128, num_stages=2), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
+    # Head size 256 on two consumer warpgroups (its policy tile has one): the same as "pingpong" below 256.
+    ("pingpong-m128", dict(block_m=128, num_warps=8), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
 ]
 
 
