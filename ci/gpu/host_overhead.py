@@ -13,6 +13,7 @@ import torch
 from pagedprefill.api import select_backend
 from pagedprefill.backends.triton_base import problem_shape
 from pagedprefill.device import DeviceInfo
+from pagedprefill.plans import call_signature
 from pagedprefill.testing import BatchSpec, make_problem
 from pagedprefill.triton.kernel import prefix_prefill_kernel
 from pagedprefill.triton.launch import bind_launch, call_tensors, kernel_call, launch_prefill
@@ -40,14 +41,8 @@ def main():
     bound = bind_launch(p, cfg)
     plans = {}
 
-    def tsig(t):
-        return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
-
-    def signature(pr):
-        c, b, o = pr.cache, pr.batch, pr.options
-        return (tsig(pr.q), tsig(pr.k), tsig(pr.v), tsig(pr.out), tsig(c.key), tsig(c.value), tsig(b.block_table),
-                tsig(b.query_start), tsig(b.seq_lens), tsig(b.context_lens), tsig(o.alibi_slopes), tsig(o.sinks),
-                c.layout, c.dtype, c.k_scale, c.v_scale, o.sm_scale, o.sliding_window, o.softcap, b.max_query_len)
+    def signature(pr):  # what the dispatch keys its plans on
+        return call_signature(pr, backend, None)
 
     plans[signature(p)] = bound
 
