@@ -27,6 +27,7 @@ from typing import Optional, Protocol, runtime_checkable
 import torch
 
 from .device import DeviceInfo
+from .types import PrefillProblem
 
 
 def next_power_of_2(n: int) -> int:
@@ -219,3 +220,19 @@ def shrink_to_fit(config: TileConfig, shape: ProblemShape, device: DeviceInfo,
         else:
             break
     return settle(config, shape)
+
+
+def problem_shape(problem: PrefillProblem) -> ProblemShape:
+    """The data-free description of ``problem`` that policies decide on."""
+    return ProblemShape(
+        head_size=problem.head_size,
+        num_heads=problem.num_heads,
+        num_kv_heads=problem.num_kv_heads,
+        dtype=problem.q.dtype,
+        kv_cache_dtype=problem.cache.dtype.value,
+        block_size=problem.cache.block_size,
+        num_tokens=problem.num_tokens,
+        num_seqs=problem.batch.num_seqs,
+        max_query_len=problem.batch.max_query_len,
+        layout=problem.cache.layout.value,
+    )

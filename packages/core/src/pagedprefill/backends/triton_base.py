@@ -7,26 +7,10 @@ import functools
 
 from ..device import DeviceInfo, interpreter_enabled, interpreter_unready, triton_installed
 from ..registry import Backend, UnsupportedFeatureError
-from ..tiling import ProblemShape, TileConfig
+from ..tiling import ProblemShape, TileConfig, problem_shape  # problem_shape: still importable from here
 from ..tuning import tables_state
 from ..types import FEATURES, PrefillProblem
 from ..validation import dtype_name
-
-
-def problem_shape(problem: PrefillProblem) -> ProblemShape:
-    """The data-free description of ``problem`` that policies decide on."""
-    return ProblemShape(
-        head_size=problem.head_size,
-        num_heads=problem.num_heads,
-        num_kv_heads=problem.num_kv_heads,
-        dtype=problem.q.dtype,
-        kv_cache_dtype=problem.cache.dtype.value,
-        block_size=problem.cache.block_size,
-        num_tokens=problem.num_tokens,
-        num_seqs=problem.batch.num_seqs,
-        max_query_len=problem.batch.max_query_len,
-        layout=problem.cache.layout.value,
-    )
 
 
 def spec_shape(spec, twin) -> ProblemShape:

@@ -24,7 +24,7 @@ import triton
 from triton import knobs
 
 from ..accelerator import device_guard
-from ..tiling import ProblemShape, TileConfig, launch_grid, padded_head_size, pagewise_possible
+from ..tiling import ProblemShape, TileConfig, launch_grid, padded_head_size, pagewise_possible, problem_shape
 from ..types import KVLayout, PrefillProblem
 from . import blocks
 from .arguments import (
@@ -174,8 +174,6 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: Optional[Pro
     if T == 0 or B == 0 or H == 0:
         return None
     if shape is None:
-        from ..backends.triton_base import problem_shape
-
         shape = problem_shape(p)
     group = H // p.num_kv_heads
     cache, cache_strides, layout = _cache_addressing(p, config)
