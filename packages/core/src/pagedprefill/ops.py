@@ -159,7 +159,12 @@ def build_problem(*args, **kwargs) -> PrefillProblem:
     """The :class:`PrefillProblem` an in-place operator call describes, from the arguments of
     ``torch.ops.pagedprefill.prefill_attention_`` (positional or by name; ``backend``, ``validate`` and
     ``argument_names`` are ignored), the schema's absent values converted to ``None`` (:data:`SCHEMA_ABSENT`)."""
-    a = _bound(INPLACE_SIGNATURE, args, kwargs)
+    return _problem(_bound(INPLACE_SIGNATURE, args, kwargs))
+
+
+def _problem(a: dict) -> PrefillProblem:
+    """:func:`build_problem` of an in-place call's arguments already bound by name (the operators bind theirs
+    once and build from that)."""
     scalars = {o.name: _typed(o, a) for o in _TYPED}
     scalars["layout"] = _layout(a["layout"])
     tensors = [a[name] for name, _ in TENSORS]
@@ -210,7 +215,7 @@ def _prefill_attention(*args, **kwargs) -> torch.Tensor:
     """Prefix-prefill attention over a paged KV cache; returns a new ``[T, H, D]`` tensor (see the module)."""
     a = _bound(FUNCTIONAL_SIGNATURE, args, kwargs)
     out = _new_output(a["q"], _typed(_FP8_OUT, a), a["skip_decode"])
-    _dispatch_call(build_problem(**dict(a, out=out)), a)
+    _dispatch_call(_problem(dict(a, out=out)), a)
     return out
 
 
@@ -225,14 +230,14 @@ def _prefill_attention_fake(*args, **kwargs):
     fp8_out = _typed(_FP8_OUT, a) is not None
     q = a["q"]
     out = torch.empty_like(q, dtype=torch.float8_e4m3fn if fp8_out else q.dtype)
-    _check_fake(build_problem(**dict(a, out=out)), a)
+    _check_fake(_problem(dict(a, out=out)), a)
     return out
 
 
 def _prefill_attention_inplace(*args, **kwargs) -> None:
     """Prefix-prefill attention over a paged KV cache, written into ``out`` ``[T, H, D]`` (see the module)."""
     a = _bound(INPLACE_SIGNATURE, args, kwargs)
-    _dispatch_call(build_problem(**a), a)
+    _dispatch_call(_problem(a), a)
 
 
 _prefill_attention_inplace.__signature__ = INPLACE_SIGNATURE
@@ -243,5 +248,5 @@ prefill_attention_ = torch.library.custom_op(f"{LIBRARY_NAMESPACE}::prefill_atte
 @prefill_attention_.register_fake
 def _prefill_attention_inplace_fake(*args, **kwargs):
     a = _bound(INPLACE_SIGNATURE, args, kwargs)
-    _check_fake(build_problem(**a), a)
+    _check_fake(_problem(a), a)
     return None
