@@ -103,14 +103,16 @@ class TritonBackend(Backend):
     def run(self, problem: PrefillProblem, device: DeviceInfo) -> None:
         from ..triton.launch import launch_prefill
 
-        launch_prefill(problem, self.tile_config(problem_shape(problem), device))
+        shape = problem_shape(problem)
+        launch_prefill(problem, self.tile_config(shape, device), shape)
 
     def bind(self, problem: PrefillProblem, device: DeviceInfo):
         """Run ``problem`` and return a launcher of the compiled kernel for its signature (on GPUs; the
         interpreter keeps launching through Triton's JIT)."""
         from ..triton.launch import bind_launch, call_tensors
 
-        bound = bind_launch(problem, self.tile_config(problem_shape(problem), device))
+        shape = problem_shape(problem)
+        bound = bind_launch(problem, self.tile_config(shape, device), shape)
         if bound is None:  # nothing to launch, or a driver without direct launches: already run by the JIT
             return self.run_again(device)
 

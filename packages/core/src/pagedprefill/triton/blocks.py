@@ -12,7 +12,11 @@ so inconsistent metadata can never read or write out of bounds.
 import triton
 import triton.language as tl
 
+from .arguments import KeyStrides, ValueStrides
+
 LOG2E = tl.constexpr(1.4426950408889634)
+#: Largest finite FP8 e4m3 value: a quantised output saturates there.
+FP8_E4M3_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
@@ -97,66 +101,90 @@ def aligned(stride, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def tile_pages(block_row_ptr, stride_table_col, table_width, num_blocks, n0, block_size,
-               BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+def aligned_cache_strides(strides, LAYOUT: tl.constexpr):
+    """``(KeyStrides, ValueStrides)`` of ``strides`` (:class:`~pagedprefill.triton.arguments.CacheStrides`)
+    with every non-unit stride :func:`aligned` to ``LAYOUT.KEY_ALIGN`` / ``LAYOUT.VALUE_ALIGN``, as the launcher
+    guarantees (the unit strides, keys' ``dim`` and values' ``slot`` (split) or ``dim`` (NHD), stay as they are).
+    """
+    k, v = strides.key, strides.value
+    KA: tl.constexpr = LAYOUT.KEY_ALIGN
+    VA: tl.constexpr = LAYOUT.VALUE_ALIGN
+    keys = KeyStrides(aligned(k.block, KA), aligned(k.head, KA), aligned(k.chunk, KA), aligned(k.slot, KA), k.dim)
+    if LAYOUT.SPLIT:
+        values = ValueStrides(aligned(v.block, VA), aligned(v.head, VA), aligned(v.dim, VA), v.slot)
+    else:
+        values = ValueStrides(aligned(v.block, VA), aligned(v.head, VA), v.dim, aligned(v.slot, VA))
+    return keys, values
+
+
+@triton.jit
+def tile_pages(paged, n0, BLOCK_N: tl.constexpr, LAYOUT: tl.constexpr):
     """Physical cache block of each key ``n0 + [0, BLOCK_N)``, as an int64 ``[BLOCK_N]`` vector.
 
-    ``PAGE_SIZE > 0`` (the block size, specialised when it and ``BLOCK_N`` divide one another) reads one
-    table entry per page and broadcasts it to the page's keys; 0 reads one entry per key and serves any
-    block size. Out-of-range table columns and block numbers are clamped: the keys they address are masked
-    by the caller or belong to invalid metadata, and are never read out of bounds. Pages are read one tile
-    ahead, also past the last tile, so a table without columns is not read at all.
+    ``paged`` is the kernel's view of the cache (its table row, width, block count and page size).
+    ``LAYOUT.PAGEWISE`` (the block size, ``LAYOUT.PAGE_SIZE``, divides ``BLOCK_N`` or is a multiple of it)
+    reads one table entry per page and broadcasts it to the page's keys; otherwise one entry is read per key,
+    which serves any block size. Out-of-range table columns and block numbers are clamped: the keys they
+    address are masked by the caller or belong to invalid metadata, and are never read out of bounds. Pages
+    are read one tile ahead, also past the last tile, so a table without columns is not read at all.
     """
+    table_width, num_blocks = paged.table_width, paged.num_blocks
     has_cols = table_width > 0
-    if PAGE_SIZE >= BLOCK_N:
+    if not LAYOUT.PAGEWISE:
+        pos = n0 + tl.arange(0, BLOCK_N)
+        cols = tl.maximum(tl.minimum(pos // paged.page_size, table_width - 1), 0)
+        pages = tl.load(paged.table_row + cols * paged.table_col_stride, mask=has_cols, other=0).to(tl.int64)
+        pages = tl.where((pages >= 0) & (pages < num_blocks), pages, 0)
+    elif LAYOUT.PAGE_SIZE >= BLOCK_N:
+        PAGE_SIZE: tl.constexpr = LAYOUT.PAGE_SIZE
         col = tl.maximum(tl.minimum(n0 // PAGE_SIZE, table_width - 1), 0)
-        page = tl.load(block_row_ptr + col * stride_table_col, mask=has_cols, other=0).to(tl.int64)
+        page = tl.load(paged.table_row + col * paged.table_col_stride, mask=has_cols, other=0).to(tl.int64)
         page = tl.where((page >= 0) & (page < num_blocks), page, 0)
         pages = tl.full([BLOCK_N], 0, tl.int64) + page
-    elif PAGE_SIZE > 0:
+    else:
+        PAGE_SIZE: tl.constexpr = LAYOUT.PAGE_SIZE
         PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
         cols = tl.maximum(tl.minimum(n0 // PAGE_SIZE + tl.arange(0, PAGES), table_width - 1), 0)
-        per_page = tl.load(block_row_ptr + cols * stride_table_col, mask=has_cols, other=0).to(tl.int64)
+        per_page = tl.load(paged.table_row + cols * paged.table_col_stride, mask=has_cols, other=0).to(tl.int64)
         per_page = tl.where((per_page >= 0) & (per_page < num_blocks), per_page, 0)
         pages = tl.reshape(tl.broadcast_to(per_page[:, None], [PAGES, PAGE_SIZE]), [BLOCK_N])
         # The reshape hides that each page's keys share one block; the split layout's value loads need to
         # know it to stay vectorised along the slots.
         pages = tl.max_constancy(pages, PAGE_SIZE)
-    else:
-        pos = n0 + tl.arange(0, BLOCK_N)
-        cols = tl.maximum(tl.minimum(pos // block_size, table_width - 1), 0)
-        pages = tl.load(block_row_ptr + cols * stride_table_col, mask=has_cols, other=0).to(tl.int64)
-        pages = tl.where((pages >= 0) & (pages < num_blocks), pages, 0)
     return pages
 
 
 @triton.jit
-def cache_kv_offsets(pages, pos, block_size, kv_head, offs_d,
-                     stride_kb, stride_kh, stride_kd, stride_kt, stride_kx,
-                     stride_vb, stride_vh, stride_vd, stride_vt, X: tl.constexpr):
+def cache_kv_offsets(pages, pos, paged, kv_head, offs_d, LAYOUT: tl.constexpr):
     """64-bit element offsets of cached keys (``[D, N]``, transposed for the dot) and values (``[N, D]``).
 
-    ``pages`` holds each key's physical block (:func:`tile_pages`). One formula serves both layouts: split
-    K is ``page, head, d // X, slot, d % X``; NHD is the same with ``stride_kd = 0`` and ``X`` larger than
-    the head size.
+    ``pages`` holds each key's physical block (:func:`tile_pages`), ``paged`` the page size and the
+    (:func:`aligned_cache_strides`) strides. Split-layout keys are ``block, head, d // x, slot, d % x``, NHD
+    keys ``block, slot, head, d``; values are addressed by their strides alone in both layouts.
     """
-    slot = (pos % block_size).to(tl.int64)
+    ks, vs = paged.key_strides, paged.value_strides
+    slot = (pos % paged.page_size).to(tl.int64)
     head = kv_head.to(tl.int64)
     d = offs_d.to(tl.int64)
-    k_off = (pages[None, :] * stride_kb + head * stride_kh + (d[:, None] // X) * stride_kd
-             + slot[None, :] * stride_kt + (d[:, None] % X) * stride_kx)
-    v_off = pages[:, None] * stride_vb + head * stride_vh + d[None, :] * stride_vd + slot[:, None] * stride_vt
+    if LAYOUT.SPLIT:
+        CHUNK: tl.constexpr = LAYOUT.CHUNK
+        k_off = (pages[None, :] * ks.block + head * ks.head + (d[:, None] // CHUNK) * ks.chunk
+                 + slot[None, :] * ks.slot + (d[:, None] % CHUNK) * ks.dim)
+    else:
+        k_off = pages[None, :] * ks.block + head * ks.head + slot[None, :] * ks.slot + d[:, None] * ks.dim
+    v_off = pages[:, None] * vs.block + head * vs.head + d[None, :] * vs.dim + slot[:, None] * vs.slot
     return k_off, v_off
 
 
 @triton.jit
-def new_kv_offsets(rows, kv_head, offs_d, stride_kt, stride_kh, stride_vt, stride_vh):
-    """64-bit offsets of the new tokens' keys (``[D, N]``) and values (``[N, D]``) at packed ``rows``."""
+def new_kv_offsets(rows, kv_head, offs_d, k_strides, v_strides):
+    """64-bit offsets of the new tokens' keys (``[D, N]``) and values (``[N, D]``) at packed ``rows``
+    (:class:`~pagedprefill.triton.arguments.RowStrides` of k and v)."""
     r = rows.to(tl.int64)
     head = kv_head.to(tl.int64)
     d = offs_d.to(tl.int64)
-    k_off = r[None, :] * stride_kt + head * stride_kh + d[:, None]
-    v_off = r[:, None] * stride_vt + head * stride_vh + d[None, :]
+    k_off = r[None, :] * k_strides.token + head * k_strides.head + d[:, None]
+    v_off = r[:, None] * v_strides.token + head * v_strides.head + d[None, :]
     return k_off, v_off
 
 
@@ -200,18 +228,18 @@ def soft_cap(s, cap):
 
 
 @triton.jit
-def logits(q, k, qk_scale, softcap, alibi_slope2, q_pos, k_pos,
-           SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Scores of a ``[M, D] x [D, N]`` tile as log2-domain logits (scale, softcap, ALiBi applied).
+def logits(query, k, k_pos, scoring, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Scores of the query tile (``query.q``, ``[M, D]``) with keys ``k`` (``[D, N]``, at positions ``k_pos``)
+    as log2-domain logits: scale, softcap and ALiBi applied.
 
-    ``qk_scale`` is ``sm_scale * k_scale * log2(e)`` without softcap, ``sm_scale * k_scale`` with it;
-    ``alibi_slope2`` is the per-row slope times ``log2(e)``.
+    ``scoring.qk_scale`` is ``sm_scale * k_scale * log2(e)`` without softcap, ``sm_scale * k_scale`` with it;
+    ``query.alibi_slope_log2`` is each row's slope times ``log2(e)``.
     """
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+    s = tl.dot(query.q, k, input_precision=DOT_PRECISION) * scoring.qk_scale
     if SOFTCAP:
-        s = soft_cap(s, softcap) * LOG2E
+        s = soft_cap(s, scoring.softcap) * LOG2E
     if ALIBI:
-        s += alibi_slope2[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
+        s += query.alibi_slope_log2[:, None] * (k_pos[None, :] - query.pos[:, None]).to(tl.float32)
     return s
 
 
@@ -227,11 +255,13 @@ def visible(q_pos, k_pos, k_valid, window, CAUSAL: tl.constexpr, WINDOW: tl.cons
 
 
 @triton.jit
-def online_softmax_step(s, v, acc, m_i, l_i, DOT_PRECISION: tl.constexpr):
-    """Fold one tile of log2 logits ``s`` and values ``v`` into the running (acc, max, sum); unnormalised.
+def online_softmax_step(s, v, state, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of log2 logits ``s`` and values ``v`` into the running ``state`` ``(acc, max, sum)``;
+    unnormalised.
 
     Rows whose logits so far are all ``-inf`` keep ``m = -inf`` and contribute nothing (no NaN).
     """
+    acc, m_i, l_i = state
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
@@ -242,15 +272,16 @@ def online_softmax_step(s, v, acc, m_i, l_i, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def finish_rows(acc, m_i, l_i, sink2, out_scale, SINKS: tl.constexpr):
-    """Normalise the accumulator; add the sink's mass to the denominator; apply the FP8 value scale.
+def finish_rows(acc, m_i, l_i, sink_log2, out_scale, SINKS: tl.constexpr):
+    """Normalise the accumulator; add the sink's mass (``sink_log2``: each row's sink logit times
+    ``log2(e)``) to the denominator; apply the FP8 value scale.
 
     A row with nothing visible (and no sink mass) is written as zeros.
     """
     if SINKS:
-        m_fin = tl.maximum(m_i, sink2)
+        m_fin = tl.maximum(m_i, sink_log2)
         rescale = tl.exp2(m_i - m_fin)
-        l_i = l_i * rescale + tl.exp2(sink2 - m_fin)
+        l_i = l_i * rescale + tl.exp2(sink_log2 - m_fin)
         acc = acc * rescale[:, None]
     inv = tl.where(l_i > 0.0, out_scale / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
     return acc * inv[:, None]
@@ -278,10 +309,11 @@ def split_range(start, end, full_lo, full_hi, BLOCK_N: tl.constexpr):
     """Split the tile loop ``[start, end)`` (``start`` aligned to ``BLOCK_N``) around its mask-free middle.
 
     ``full_lo``/``full_hi`` bound the keys every row sees without masking; they are rounded inwards to tile
-    boundaries. Returns ``(a, b)``: tiles in ``[start, a)`` and ``[b, end)`` need masks, ``[a, b)`` do not.
+    boundaries. Returns ``(free_start, free_end)``: tiles in ``[start, free_start)`` and ``[free_end, end)``
+    need masks, ``[free_start, free_end)`` do not.
     """
     lo = start + tl.cdiv(tl.maximum(full_lo - start, 0), BLOCK_N) * BLOCK_N
     hi = start + (tl.maximum(tl.minimum(full_hi, end) - start, 0) // BLOCK_N) * BLOCK_N
-    a = tl.minimum(lo, hi)
-    b = tl.maximum(a, hi)
-    return a, b
+    free_start = tl.minimum(lo, hi)
+    free_end = tl.maximum(free_start, hi)
+    return free_start, free_end

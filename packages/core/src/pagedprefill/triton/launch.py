@@ -24,12 +24,33 @@ import triton
 from triton import knobs
 
 from ..accelerator import device_guard
-from ..tiling import ProblemShape, TileConfig, launch_grid, padded_head_size, settle
+from ..tiling import ProblemShape, TileConfig, launch_grid, padded_head_size, pagewise_possible, problem_shape
 from ..types import KVLayout, PrefillProblem
+from . import blocks
+from .arguments import (
+    Batch,
+    Cache,
+    CacheLayout,
+    CacheStrides,
+    Extents,
+    Features,
+    KeyStrides,
+    PerHead,
+    RowStrides,
+    ScaleFromTensor,
+    Scales,
+    ScaleTensors,
+    TableStrides,
+    Tile,
+    Tokens,
+    TokenStrides,
+    ValueStrides,
+)
 from .kernel import prefix_prefill_kernel
 
-#: Largest finite FP8 e4m3 value: a quantised output saturates there.
-FP8_E4M3_MAX = 448.0
+#: Largest finite FP8 e4m3 value: a quantised output saturates there (the portable kernel reads it from
+#: :mod:`.blocks`; other kernels take it as an argument).
+FP8_E4M3_MAX = blocks.FP8_E4M3_MAX.value
 
 
 def _vector_alignment(strides, unit: int, element_size: int) -> int:
@@ -43,31 +64,41 @@ def _vector_alignment(strides, unit: int, element_size: int) -> int:
     return align
 
 
-def _cache_geometry(problem: PrefillProblem, head_size_padded: int):
-    """Cache tensors (FP8 bytes viewed as float8), ``X``, the strides of the unified address formula and
-    the alignments (in elements) the kernel may assume for them."""
+def _cache_addressing(problem: PrefillProblem, config: TileConfig) -> tuple[Cache, CacheStrides, CacheLayout]:
+    """The cache as the kernel reads it (FP8 bytes viewed as float8: the kernel converts them), its strides,
+    and its layout with the alignments (in elements) the kernel may assume for those strides."""
     c = problem.cache
     key, value = c.key, c.value
     if c.dtype.is_fp8 and key.dtype == torch.uint8:
         key, value = key.view(c.dtype.torch_dtype), value.view(c.dtype.torch_dtype)
-    if c.layout is KVLayout.SPLIT:
-        x = key.shape[4]
-        k_strides = (key.stride(0), key.stride(1), key.stride(2), key.stride(3), key.stride(4))
-        v_strides = (value.stride(0), value.stride(1), value.stride(2), value.stride(3))
-        v_unit = 3  # slots are contiguous
-    else:  # [blocks, slot, head, d]: no d // X term, X beyond any head dim
-        x = 2 * head_size_padded
-        k_strides = (key.stride(0), key.stride(2), 0, key.stride(1), key.stride(3))
-        v_strides = (value.stride(0), value.stride(2), value.stride(3), value.stride(1))
-        v_unit = 2  # the head dim is contiguous
-    k_align = _vector_alignment(k_strides, 4, key.element_size())
-    v_align = _vector_alignment(v_strides, v_unit, value.element_size())
-    return key, value, x, k_strides, v_strides, k_align, v_align
+    split = c.layout is KVLayout.SPLIT
+    if split:  # [blocks, Hkv, D / x, block_size, x] and [blocks, Hkv, D, block_size]
+        chunk = key.shape[4]
+        keys = KeyStrides(key.stride(0), key.stride(1), key.stride(2), key.stride(3), key.stride(4))
+        values = ValueStrides(value.stride(0), value.stride(1), value.stride(2), value.stride(3))
+        value_unit = 3  # slots are contiguous
+    else:  # [blocks, block_size, Hkv, D], both
+        chunk = None
+        keys = KeyStrides(key.stride(0), key.stride(2), 0, key.stride(1), key.stride(3))
+        values = ValueStrides(value.stride(0), value.stride(2), value.stride(3), value.stride(1))
+        value_unit = 2  # the head dim is contiguous
+    if config.pagewise and not pagewise_possible(c.block_size, config.block_n):
+        raise ValueError(f"config: page-wise addressing needs a power-of-two block size that divides or is a "
+                         f"multiple of block_n={config.block_n}, not {c.block_size}; a policy's tile is settled "
+                         "for its shape (tiling.settle), a hand-made one must be too")
+    layout = CacheLayout(
+        SPLIT=split, CHUNK=chunk, PAGEWISE=config.pagewise, PAGE_SIZE=c.block_size if config.pagewise else None,
+        KEY_ALIGN=_vector_alignment(keys, 4, key.element_size()),
+        VALUE_ALIGN=_vector_alignment(values, value_unit, value.element_size()),
+    )
+    table = problem.batch.block_table
+    strides = CacheStrides(keys, values, TableStrides(table.stride(0), table.stride(1)))
+    return Cache(key, value, table), strides, layout
 
 
 def _scale_arg(scale, used: bool) -> tuple[float, bool]:
-    """``(float value, read-from-pointer flag)`` of a scale (FP8 cache or output): a tensor is read on the device,
-    where :func:`call_tensors` passes it; an unused scale is 1."""
+    """``(float value, read-from-tensor flag)`` of a scale (FP8 cache or output): a tensor is read on the
+    device, where :func:`call_tensors` passes it; an unused scale is 1."""
     if not used or scale is None:
         return 1.0, False
     if isinstance(scale, torch.Tensor):
@@ -75,12 +106,19 @@ def _scale_arg(scale, used: bool) -> tuple[float, bool]:
     return float(scale), False
 
 
+def dot_precision(dtype: torch.dtype, config: TileConfig) -> str:
+    """The ``input_precision`` both dots run at for inputs of ``dtype``: the policy's ``fp32_dot`` for
+    float32; 16-bit inputs multiply exactly (``"ieee"``), whatever the policy says about float32."""
+    return config.fp32_dot if dtype == torch.float32 else "ieee"
+
+
 @dataclass(frozen=True)
 class KernelCall:
-    """One launch of the kernel: grid, the tensor arguments, the scalar arguments, constexprs and options.
+    """One launch of a kernel: grid, the tensor arguments, the numeric arguments, constexprs and options.
 
-    ``tensors`` come first in the kernel's signature, then ``scalars``, then the constexprs; a launch passes
-    ``*tensors, *scalars`` positionally and ``constexprs`` plus ``options`` (warps, stages) by keyword.
+    ``tensors`` come first in the kernel's signature (for the portable kernel, the tensor groups of
+    :mod:`.arguments`), then ``scalars``, then the constexprs; a launch passes ``*tensors, *scalars``
+    positionally and ``constexprs`` plus ``options`` (warps, stages) by keyword.
     """
 
     grid: tuple[int, int]
@@ -99,7 +137,7 @@ class KernelCall:
 
 
 def call_tensors(p: PrefillProblem) -> tuple:
-    """The kernel's tensor arguments for ``p``, in signature order (placeholders where a feature is off).
+    """The kernel's tensor groups for ``p``, in signature order (placeholders where a feature is off).
 
     The one definition of that order: :func:`kernel_call` builds on it and :class:`BoundLaunch` receives it
     on every call, so it does no more than read attributes.
@@ -111,70 +149,71 @@ def call_tensors(p: PrefillProblem) -> tuple:
     v_scale = c.v_scale if fp8 and isinstance(c.v_scale, torch.Tensor) else q
     out_scale = o.fp8_out_scale
     b = p.batch
-    return (q, k, v, p.out, c.key, c.value, b.block_table, b.query_start, b.seq_lens, b.context_lens,
-            q if o.alibi_slopes is None else o.alibi_slopes, q if o.sinks is None else o.sinks,
-            k_scale, v_scale, out_scale if isinstance(out_scale, torch.Tensor) else q)
+    return (Tokens(q, k, v, p.out), Cache(c.key, c.value, b.block_table),
+            Batch(b.query_start, b.seq_lens, b.context_lens),
+            PerHead(q if o.alibi_slopes is None else o.alibi_slopes, q if o.sinks is None else o.sinks),
+            ScaleTensors(k_scale, v_scale, out_scale if isinstance(out_scale, torch.Tensor) else q))
 
 
-def kernel_call(problem: PrefillProblem, config: TileConfig) -> Optional[KernelCall]:
-    """The kernel launch that computes ``problem`` with ``config``, or None when there is nothing to do."""
+def _row_strides(t: Optional[torch.Tensor]) -> RowStrides:
+    return RowStrides(0, 0) if t is None else RowStrides(t.stride(0), t.stride(1))
+
+
+def kernel_call(problem: PrefillProblem, config: TileConfig, shape: Optional[ProblemShape] = None
+                ) -> Optional[KernelCall]:
+    """The kernel launch that computes ``problem`` with ``config``, or None when there is nothing to do.
+
+    ``config`` is run as it is: a policy's tile is settled for its shape (``tiling.settle``); a hand-made one
+    must be settled by its maker. ``shape`` is the :class:`~pagedprefill.tiling.ProblemShape` the policy saw
+    (derived from ``problem`` when not given); it sizes the grid.
+    """
     p = problem
-    q, out = p.q, p.out
+    q = p.q
     T, H, D = q.shape
     B = p.batch.num_seqs
     if T == 0 or B == 0 or H == 0:
         return None
+    if shape is None:
+        shape = problem_shape(p)
     group = H // p.num_kv_heads
-    shape = ProblemShape(head_size=D, num_heads=H, num_kv_heads=p.num_kv_heads, dtype=q.dtype, num_tokens=T,
-                         num_seqs=B, block_size=p.cache.block_size)
-    config = settle(config, shape)  # a no-op for configs from a policy; raw configs (tests, sweeps) get the rule
-    head_chunks = triton.cdiv(group, config.heads_per_tile)
-    d_pad = padded_head_size(D)
-    key, value, x, ks, vs, k_align, v_align = _cache_geometry(p, d_pad)
+    cache, cache_strides, layout = _cache_addressing(p, config)
     fp8 = p.cache.dtype.is_fp8
-    k_scale, k_from_ptr = _scale_arg(p.cache.k_scale, fp8)
-    v_scale, v_from_ptr = _scale_arg(p.cache.v_scale, fp8)
+    k_scale, k_from_tensor = _scale_arg(p.cache.k_scale, fp8)
+    v_scale, v_from_tensor = _scale_arg(p.cache.v_scale, fp8)
     opts = p.options
-    causal, skip_decode = opts.causal, opts.skip_decode
     window = opts.sliding_window  # None: no window (the kernel's int argument is then unused; 0 is passed)
     out_scale = opts.fp8_out_scale
-    out_scale_value, out_from_ptr = _scale_arg(out_scale, True)
-    new_kv_in_cache = p.k is None
-    table = p.batch.block_table
-    bs = p.cache.block_size
-    new_strides = (0, 0, 0, 0) if new_kv_in_cache else (p.k.stride(0), p.k.stride(1), p.v.stride(0), p.v.stride(1))
+    out_scale_value, out_from_tensor = _scale_arg(out_scale, True)
     tensors = call_tensors(p)
-    tensors = tensors[:4] + (key, value) + tensors[6:]  # FP8 bytes as float8: the kernel converts them
+    tensors = (tensors[0], cache) + tensors[2:]
     scalars = (
-        p.sm_scale, k_scale, v_scale, out_scale_value, float(opts.softcap), window or 0,
-        B, T, p.cache.num_blocks, table.shape[1], bs, group,
-        q.stride(0), q.stride(1), *new_strides, out.stride(0), out.stride(1),
-        *ks, *vs,
-        table.stride(0), table.stride(1),
+        Scales(p.sm_scale, k_scale, v_scale, out_scale_value), float(opts.softcap), window or 0,
+        Extents(B, T, p.cache.num_blocks, cache.block_table.shape[1], p.cache.block_size, group),
+        TokenStrides(_row_strides(q), _row_strides(p.k), _row_strides(p.v), _row_strides(p.out)),
+        cache_strides,
     )
     constexprs = dict(
-        HEAD_SIZE=D, HEAD_SIZE_PADDED=d_pad, X=x,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEADS_PER_TILE=config.heads_per_tile,
-        HEAD_CHUNKS=head_chunks, SPLIT_MASKS=config.split_masks, WINDOW=window is not None,
-        SOFTCAP=opts.softcap > 0, ALIBI=opts.alibi_slopes is not None, SINKS=opts.sinks is not None,
-        K_SCALE_PTR=k_from_ptr, V_SCALE_PTR=v_from_ptr, PAGE_SIZE=bs if config.pagewise else 0,
-        SPLIT_CACHE=p.cache.layout is KVLayout.SPLIT, K_ALIGN=k_align, V_ALIGN=v_align,
-        CAUSAL=causal, SKIP_DECODE=skip_decode, NEW_KV_IN_CACHE=new_kv_in_cache,
-        OUT_SCALE=out_scale is not None, OUT_SCALE_PTR=out_from_ptr, OUT_MAX=FP8_E4M3_MAX,
-        DOT_PRECISION=config.fp32_dot if q.dtype == torch.float32 else "tf32",
+        HEAD_SIZE=D, HEAD_SIZE_PADDED=padded_head_size(D),
+        TILE=Tile(config.block_m, config.block_n, config.heads_per_tile, triton.cdiv(group, config.heads_per_tile),
+                  config.split_masks, dot_precision(q.dtype, config)),
+        LAYOUT=layout,
+        FEATURES=Features(
+            CAUSAL=opts.causal, WINDOW=window is not None, SOFTCAP=opts.softcap > 0,
+            ALIBI=opts.alibi_slopes is not None, SINKS=opts.sinks is not None, SKIP_DECODE=opts.skip_decode,
+            NEW_KV_IN_CACHE=p.k is None, OUT_SCALE=out_scale is not None),
+        SCALE_FROM_TENSOR=ScaleFromTensor(k_from_tensor, v_from_tensor, out_from_tensor),
     )
     options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
-    grid = launch_grid(shape, config)
-    return KernelCall(grid, tensors, scalars, constexprs, options)
+    return KernelCall(launch_grid(shape, config), tensors, scalars, constexprs, options)
 
 
-def launch_prefill(problem: PrefillProblem, config: TileConfig):
-    """Run the prefix-prefill kernel for ``problem`` (already validated) with ``config``.
+def launch_prefill(problem: PrefillProblem, config: TileConfig, shape: Optional[ProblemShape] = None):
+    """Run the prefix-prefill kernel for ``problem`` (already validated) with ``config`` (see :func:`kernel_call`).
 
     Returns Triton's compiled-kernel handle (its ``metadata.shared`` is the shared memory it uses), or None
     when there was nothing to launch.
     """
-    call = kernel_call(problem, config)
+    call = kernel_call(problem, config, shape)
     if call is None:
         return None
     with device_guard(problem.q.device):
@@ -187,8 +226,15 @@ def _launches_hooked() -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-def _aligned16(t: torch.Tensor) -> bool:
-    return t.data_ptr() % 16 == 0
+def _aligned_tensors(tensors: tuple) -> tuple:
+    """Where the 16-byte aligned tensors are among ``tensors`` (a flat tuple, or a tuple of tensor groups):
+    ``(index, None)`` for a lone tensor, ``(index, field)`` for one inside a group."""
+    paths = []
+    for i, arg in enumerate(tensors):
+        for j, t in enumerate(arg) if isinstance(arg, tuple) else [(None, arg)]:
+            if isinstance(t, torch.Tensor) and t.data_ptr() % 16 == 0:
+                paths.append((i, j))
+    return tuple(paths)
 
 
 class BoundLaunch:
@@ -208,12 +254,13 @@ class BoundLaunch:
         self._function = compiled.function
         self._metadata = compiled.packed_metadata
         self._grid = call.grid
-        # Constexprs are passed positionally too: the launcher skips them by the kernel's signature.
+        # Every argument goes positionally, as Triton's own launch passes them: tuple arguments as the tuples
+        # they are (the driver's launcher flattens them) and constexprs too (the launcher skips them).
         names = kernel.arg_names
         n = len(call.tensors) + len(call.scalars)
         self._tail = call.scalars + tuple(call.constexprs[name] for name in names[n:])
         # Only tensors carry an alignment the compiled code may assume (a TMA descriptor checks its own).
-        self._aligned = tuple(isinstance(t, torch.Tensor) and _aligned16(t) for t in call.tensors)
+        self._aligned = _aligned_tensors(call.tensors)
         self._device_index = device.index if device.index is not None else torch.cuda.current_device()
         self._stream = driver.active.get_current_stream
 
@@ -222,8 +269,9 @@ class BoundLaunch:
         stream of the device it was compiled for; False, launching nothing, when that is not possible."""
         if torch.cuda.current_device() != self._device_index or _launches_hooked():
             return False  # another device is current, or a profiler hooks launches: Triton's own path serves
-        for t, was in zip(tensors, self._aligned):
-            if was and t.data_ptr() % 16:
+        for i, j in self._aligned:
+            t = tensors[i] if j is None else tensors[i][j]
+            if t.data_ptr() % 16:
                 return False  # the compiled code assumes 16-byte alignment this tensor lacks
         g0, g1 = self._grid
         self._run(g0, g1, 1, self._stream(self._device_index), self._function, self._metadata, None, None, None,
@@ -231,10 +279,11 @@ class BoundLaunch:
         return True
 
 
-def bind_launch(problem: PrefillProblem, config: TileConfig) -> Optional[BoundLaunch]:
+def bind_launch(problem: PrefillProblem, config: TileConfig, shape: Optional[ProblemShape] = None
+                ) -> Optional[BoundLaunch]:
     """Launch ``problem`` through Triton's JIT (compiling on first use) and return a :class:`BoundLaunch` for
     later calls with the same signature; None when there was nothing to launch or no GPU driver runs it."""
-    call = kernel_call(problem, config)
+    call = kernel_call(problem, config, shape)
     if call is None:
         return None
     device = problem.q.device
