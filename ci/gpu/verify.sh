@@ -10,10 +10,13 @@
 #   hopper       ci/gpu/hopper_check.py: sm80's Hopper kernel against the reference on a spread of cases, and
 #                its schedule variants timed against the portable kernel (sm90 only); HOPPER_CHECK_ARGS adds
 #                arguments (e.g. "--schedule PINGPONG=1" checks that schedule's correctness);
+#   hopper-schedules  the Hopper kernel's correctness under each schedule of HOPPER_SCHEDULES (separated by ';',
+#                e.g. "PINGPONG=1;PINGPONG=1,OVERLAP=1"), one process per schedule at the same time, no timing;
 #   hopper-conformance  sm80's conformance suite with the Hopper kernel forced (sm90 only), a short sweep;
 #   guard-cost   ci/gpu/guard_cost.py: the portable kernel's memory-safety guards timed on the bench suite.
 # Usage: ci/gpu/verify.sh OUTDIR [step ...]   (default: core-gpu conformance fuzz=2000 bench)
-# STEP_TIMEOUT bounds each test step (seconds, default 600); COMMIT names the commit the bench records.
+# STEP_TIMEOUT bounds each test step (seconds, default 600) and DEADLINE (a time in seconds since the epoch) the
+# whole run, so that a run cut short still writes its logs; COMMIT names the commit the bench records.
 set -u
 out=${1:-/tmp/pagedprefill-gpu}; shift || true
 mkdir -p "$out"
@@ -24,7 +27,6 @@ if [ -z "${SKIP_INSTALL:-}" ]; then  # SKIP_INSTALL=1: the packages are installe
   done
 fi
 python3 -m pagedprefill info | tee "$out/info.txt"
-limit=${STEP_TIMEOUT:-600}
 # A verbose pytest log's failures and totals, and how many tests finished (for a run its time limit cut).
 results() {
   grep -E "(^| )(FAILED|ERROR) |^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$1" | tail -n 30
@@ -32,7 +34,13 @@ results() {
 }
 rc=0
 for step in ${*:-core-gpu conformance fuzz=2000 bench}; do
-  echo "=== $step"
+  limit=${STEP_TIMEOUT:-600}
+  if [ -n "${DEADLINE:-}" ]; then
+    left=$(( DEADLINE - $(date +%s) ))
+    [ "$left" -lt "$limit" ] && limit=$left
+    [ "$limit" -lt 10 ] && { echo "=== $step: not run, the deadline has passed"; rc=1; continue; }
+  fi
+  echo "=== $step ($limit s at most)"
   case $step in
     core-gpu)
       timeout "$limit" python3 -m pytest -q -x -rfs -p no:cacheprovider -p no:xdist packages/core/tests/gpu \
@@ -43,7 +51,7 @@ for step in ${*:-core-gpu conformance fuzz=2000 bench}; do
       names=generic,sm80,bi100; [ "$step" = conformance ] || names=${step#conformance=}
       suites=$(for n in ${names//,/ }; do printf 'packages/backend-%s/tests ' "$n"; done)
       # -v: one line per finished test, so a run cut by its time limit still names what failed.
-      timeout "$limit" python3 -m pytest -v -rfEs -p no:cacheprovider -n "$workers" $suites \
+      timeout "$limit" python3 -m pytest -v -rfEs --durations=15 -p no:cacheprovider -n "$workers" $suites \
         --pagedprefill-device=cuda >"$out/conformance.log" 2>&1 || rc=1
       results "$out/conformance.log" ;;
     fuzz=*)
@@ -57,6 +65,22 @@ for step in ${*:-core-gpu conformance fuzz=2000 bench}; do
     hopper)
       timeout "$limit" python3 ci/gpu/hopper_check.py --quick --reps 60 ${HOPPER_CHECK_ARGS:-} >"$out/hopper_check.log" 2>&1 || rc=1
       sed -n '/^correctness/,$p' "$out/hopper_check.log" ;;
+    hopper-schedules)
+      n=0; pids=()
+      IFS=';' read -ra schedules <<<"${HOPPER_SCHEDULES:-PINGPONG=1}"
+      for schedule in "${schedules[@]}"; do
+        n=$((n + 1))
+        timeout "$limit" python3 ci/gpu/hopper_check.py --no-timing --schedule "$schedule" \
+          >"$out/hopper_schedule_$n.log" 2>&1 &
+        pids+=($!)
+      done
+      for i in "${!pids[@]}"; do
+        wait "${pids[$i]}" || rc=1
+        echo "--- schedule ${schedules[$i]}: $(grep -c '| ok |' "$out/hopper_schedule_$((i + 1)).log") of" \
+             "$(grep -c '^| ' "$out/hopper_schedule_$((i + 1)).log") cases ok"
+        grep -E '^\| .*(FAIL|ERROR)' "$out/hopper_schedule_$((i + 1)).log" | head -n 8
+        tail -n 3 "$out/hopper_schedule_$((i + 1)).log" | grep -E 'Error|error' || true
+      done ;;
     hopper-conformance)
       workers=${WORKERS:-$(( $(nproc) > 4 ? $(nproc) - 4 : 1 ))}
       timeout "$limit" python3 -m pytest -v -rfEs -p no:cacheprovider -p no:benchmark -n "$workers" \
@@ -66,7 +90,7 @@ for step in ${*:-core-gpu conformance fuzz=2000 bench}; do
     guard-cost)
       timeout "$limit" python3 ci/gpu/guard_cost.py --reps 60 >"$out/guard_cost.log" 2>&1 || rc=1
       sed -n '/^workload | layout/,$p' "$out/guard_cost.log" ;;
-    *) echo "unknown step $step (core-gpu, conformance[=BACKENDS], fuzz=N, bench, hopper, hopper-conformance, guard-cost)"; rc=2 ;;
+    *) echo "unknown step $step (core-gpu, conformance[=BACKENDS], fuzz=N, bench, hopper, hopper-schedules, hopper-conformance, guard-cost)"; rc=2 ;;
   esac
 done
 exit $rc
