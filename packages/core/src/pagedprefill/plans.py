@@ -15,13 +15,14 @@ takes the full path.
 
 from __future__ import annotations
 
+import operator
 import os
 import threading
 from typing import Callable, Optional
 
 import torch
 
-from .options import held_by
+from .options import Option, held_by, tensor_form
 from .tuning import tables_state
 from .types import PrefillProblem
 
@@ -32,7 +33,25 @@ MAX_PLANS = 4096
 Plan = Callable[[PrefillProblem], bool]
 
 #: The options a problem holds (a call's options are part of its signature).
-_HELD = held_by("cache") + held_by("batch") + held_by("options")
+
+
+def _may_hold_tensor(option: Option) -> bool:
+    """Whether an option's value may be a tensor (its signature entry then describes the tensor instead)."""
+    return option.schema is torch.Tensor or tensor_form(option.name) is not None
+
+
+def _values_of(holder: str, tensors: bool) -> Callable[[object], tuple]:
+    """A getter of the values of the options ``holder`` holds that may be tensors (``tensors``) or never are,
+    as one tuple: one C-level call per object, since every call of the public functions builds a signature."""
+    names = [o.attribute for o in held_by(holder) if _may_hold_tensor(o) == tensors]
+    if not names:
+        return lambda obj: ()
+    get = operator.attrgetter(*names)
+    return get if len(names) > 1 else lambda obj: (get(obj),)
+
+
+_PLAIN = {holder: _values_of(holder, False) for holder in ("cache", "batch", "options")}
+_TENSORS = {holder: _values_of(holder, True) for holder in ("cache", "batch", "options")}
 
 _plans: dict = {}
 _lock = threading.Lock()
@@ -48,11 +67,11 @@ def call_signature(problem: PrefillProblem, backend: object, names: object) -> t
     """Everything the dispatch's decisions for ``problem`` depend on, except tensor values and addresses: every
     tensor, and every option of the description (:data:`pagedprefill.options.OPTIONS`) the problem holds."""
     p, c, b = problem, problem.cache, problem.batch
-    holders = {"cache": c, "batch": b, "options": p.options}
     return (
         _tensor(p.q), _tensor(p.k), _tensor(p.v), _tensor(p.out), _tensor(c.key), _tensor(c.value),
         _tensor(b.block_table), _tensor(b.query_start), _tensor(b.seq_lens), _tensor(b.context_lens),
-        *(_tensor(getattr(holders[o.held_by], o.attribute)) for o in _HELD),
+        *_PLAIN["cache"](c), *_PLAIN["batch"](b), *_PLAIN["options"](p.options),
+        *map(_tensor, _TENSORS["cache"](c) + _TENSORS["batch"](b) + _TENSORS["options"](p.options)),
         backend,  # a Backend object is held by the key, so its identity stays unique
         os.environ.get("PAGEDPREFILL_BACKEND"), id(names), tables_state(),
     )

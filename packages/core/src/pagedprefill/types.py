@@ -20,6 +20,11 @@ __all__ = ["FEATURES", "AttentionOptions", "BatchMetadata", "KVCacheDType", "KVL
 
 ScaleLike = Union[float, torch.Tensor]
 
+#: ``(name, attribute, default)`` of the options each typed object holds, for PrefillProblem.from_tensors
+#: (read once: every call of the public functions builds a problem).
+_HELD_FIELDS = {holder: tuple((o.name, o.attribute, o.default) for o in held_by(holder))
+                for holder in ("cache", "batch", "options")}
+
 
 class KVLayout(str, enum.Enum):
     """Memory layout of a paged KV cache.
@@ -265,8 +270,8 @@ class PrefillProblem:
         description's defaults. ``layout=None`` reads the layout from ``k_cache`` (5-D: split, else NHD).
         Nothing is validated here (see :func:`~pagedprefill.validate_problem`).
         """
-        values = {holder: {o.attribute: scalars.pop(o.name, o.default) for o in held_by(holder)}
-                  for holder in ("cache", "batch", "options")}
+        values = {holder: {attribute: scalars.pop(name, default) for name, attribute, default in fields}
+                  for holder, fields in _HELD_FIELDS.items()}
         if scalars:
             raise TypeError(f"from_tensors: unexpected arguments {sorted(scalars)}; expected options held by "
                             f"the cache, the batch or AttentionOptions (pagedprefill.options.OPTIONS)")

@@ -137,10 +137,13 @@ class KernelCall:
 
 
 def call_tensors(p: PrefillProblem) -> tuple:
-    """The kernel's tensor groups for ``p``, in signature order (placeholders where a feature is off).
+    """The kernel's tensor groups for ``p``, in signature order, as plain tuples (placeholders where a feature
+    is off): :class:`.arguments.Tokens`, :class:`.arguments.Cache`, :class:`.arguments.Batch`,
+    :class:`.arguments.PerHead` and :class:`.arguments.ScaleTensors`, in their fields' order.
 
-    The one definition of that order: :func:`kernel_call` builds on it and :class:`BoundLaunch` receives it
-    on every call, so it does no more than read attributes.
+    The one definition of that order: :func:`kernel_call` names the groups for Triton's JIT, and
+    :class:`BoundLaunch` receives them as they are on every call (the driver's launcher flattens any tuple), so
+    that building them costs no more than reading attributes.
     """
     q, c, o = p.q, p.cache, p.options
     k, v = (q, q) if p.k is None else (p.k, p.v)
@@ -149,10 +152,9 @@ def call_tensors(p: PrefillProblem) -> tuple:
     v_scale = c.v_scale if fp8 and isinstance(c.v_scale, torch.Tensor) else q
     out_scale = o.fp8_out_scale
     b = p.batch
-    return (Tokens(q, k, v, p.out), Cache(c.key, c.value, b.block_table),
-            Batch(b.query_start, b.seq_lens, b.context_lens),
-            PerHead(q if o.alibi_slopes is None else o.alibi_slopes, q if o.sinks is None else o.sinks),
-            ScaleTensors(k_scale, v_scale, out_scale if isinstance(out_scale, torch.Tensor) else q))
+    return ((q, k, v, p.out), (c.key, c.value, b.block_table), (b.query_start, b.seq_lens, b.context_lens),
+            (q if o.alibi_slopes is None else o.alibi_slopes, q if o.sinks is None else o.sinks),
+            (k_scale, v_scale, out_scale if isinstance(out_scale, torch.Tensor) else q))
 
 
 def _row_strides(t: Optional[torch.Tensor]) -> RowStrides:
@@ -184,8 +186,8 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: Optional[Pro
     window = opts.sliding_window  # None: no window (the kernel's int argument is then unused; 0 is passed)
     out_scale = opts.fp8_out_scale
     out_scale_value, out_from_tensor = _scale_arg(out_scale, True)
-    tensors = call_tensors(p)
-    tensors = (tensors[0], cache) + tensors[2:]
+    tokens, _, batch, per_head, scale_tensors = call_tensors(p)
+    tensors = (Tokens(*tokens), cache, Batch(*batch), PerHead(*per_head), ScaleTensors(*scale_tensors))
     scalars = (
         Scales(p.sm_scale, k_scale, v_scale, out_scale_value), float(opts.softcap), window or 0,
         Extents(B, T, p.cache.num_blocks, cache.block_table.shape[1], p.cache.block_size, group),
