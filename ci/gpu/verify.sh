@@ -51,7 +51,8 @@ for step in ${*:-core-gpu conformance fuzz=2000 bench}; do
       names=generic,sm80,bi100; [ "$step" = conformance ] || names=${step#conformance=}
       suites=$(for n in ${names//,/ }; do printf 'packages/backend-%s/tests ' "$n"; done)
       # -v: one line per finished test, so a run cut by its time limit still names what failed.
-      timeout "$limit" python3 -m pytest -v -rfEs --durations=15 -p no:cacheprovider -n "$workers" $suites \
+      # worksteal: an idle worker takes queued tests from a busy one (the sweep parts run minutes each).
+      timeout "$limit" python3 -m pytest -v -rfEs --durations=15 -p no:cacheprovider -n "$workers" --dist worksteal $suites \
         --pagedprefill-device=cuda >"$out/conformance.log" 2>&1 || rc=1
       results "$out/conformance.log" ;;
     fuzz=*)
@@ -83,7 +84,7 @@ for step in ${*:-core-gpu conformance fuzz=2000 bench}; do
       done ;;
     hopper-conformance)
       workers=${WORKERS:-$(( $(nproc) > 4 ? $(nproc) - 4 : 1 ))}
-      timeout "$limit" python3 -m pytest -v -rfEs -p no:cacheprovider -p no:benchmark -n "$workers" \
+      timeout "$limit" python3 -m pytest -v -rfEs -p no:cacheprovider -p no:benchmark -n "$workers" --dist worksteal \
         packages/backend-sm80/tests/test_sm80_hopper_conformance.py --pagedprefill-device=cuda \
         --pagedprefill-sweep="${SWEEP:-16}" >"$out/hopper-conformance.log" 2>&1 || rc=1
       results "$out/hopper-conformance.log" ;;

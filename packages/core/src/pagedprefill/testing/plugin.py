@@ -1,5 +1,5 @@
-"""pytest plugin (entry point ``pytest11``): options and fixtures of the conformance suite, and a filter for
-the one warning Triton's CPU interpreter floods test output with."""
+"""pytest plugin (entry point ``pytest11``): options and fixtures of the conformance suite, its longest tests
+ordered first, and a filter for the one warning Triton's CPU interpreter floods test output with."""
 
 from __future__ import annotations
 
@@ -19,6 +19,23 @@ TRITON_INTERPRETER_WARNING = (
 
 def pytest_configure(config):
     config.addinivalue_line("filterwarnings", TRITON_INTERPRETER_WARNING)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The conformance suites' random sweep parts run first. Each part compiles kernels for dozens of random
+    shapes and runs minutes on a GPU, far longer than any other test; queued last (their place in the class),
+    they would start when the other tests are done, one after another on the same worker under pytest-xdist,
+    and the run would end long after its other workers went idle. The order is otherwise kept."""
+    from .conformance import ConformanceSuite
+
+    def sweep_first(item) -> tuple[int, int]:
+        cls = getattr(item, "cls", None)
+        if (cls is not None and issubclass(cls, ConformanceSuite)
+                and getattr(item, "originalname", "") == "test_random_sweep"):
+            return 0, item.callspec.params["part"]  # part 0 of every suite, then part 1, ...: mixed on workers
+        return 1, 0
+
+    items.sort(key=sweep_first)
 
 
 def pytest_addoption(parser):
