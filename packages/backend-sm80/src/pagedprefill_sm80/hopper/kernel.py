@@ -306,13 +306,16 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns,
                 if TURNS:
                     mbarrier.arrive(turns[1], count=1)
                 scores = warpgroup_mma_wait(1, deps=[next_token])  # Q K^T went first: done; P V may run on
+            # P V reads P from registers until it completes: P stays alive (a dependency of the wait below), so
+            # the next tile's P cannot be computed into the registers the running MMA is still reading.
+            p_in_flight = p_op
             if has_next:
                 p_op, alpha, m_i, l_i = _softmax_tile(
                     scores, m_i, l_i, it + 1, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap,
                     qk_scale, cache_start, cache_tiles, new_start, pos_first, full_from, p_layout, q_smem.dtype,
                     BLOCK_N, CAUSAL, WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE)
             if not SPLIT:
-                acc = warpgroup_mma_wait(0, deps=[acc_token])
+                acc, p_in_flight = warpgroup_mma_wait(0, deps=[acc_token, p_in_flight])
             # Every warp of this consumer is past its MMAs before the buffer is handed back to the producer.
             gl.thread_barrier()
             mbarrier.arrive(empty.index(s), count=1)
