@@ -154,14 +154,17 @@ def _plain_tensors(p: PrefillProblem) -> list:
             out_scale if isinstance(out_scale, torch.Tensor) else q]
 
 
-#: How the grid orders its tiles (a constexpr of the kernel): ``HEAVY_FIRST`` runs each sequence's last query
-#: tiles first. On the H200 (2026-11-30, ci/gpu/hopper_check.py, 4 bench workloads x 2 layouts) that was at
-#: least as fast as index order on every row (up to 4% faster): docs/performance.md, run 3. (Issuing the next
-#: tile's Q K^T before this tile's softmax measured 3-12% slower there and is not kept.) ``PINGPONG`` gives each
-#: consumer warpgroup a partition of its own (tiles of 8 warps only), ``TURNS`` makes those two issue their
-#: Q K^T in alternation, and ``OVERLAP`` issues each tile's Q K^T together with the previous tile's P V (as an
-#: asynchronous MMA) so that the softmax runs under it; all off until they have run on the GPU.
-SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=False, TURNS=False, OVERLAP=False)
+#: How the kernel schedules its work (constexprs of the kernel). ``HEAVY_FIRST`` runs each sequence's last
+#: query tiles first. ``PINGPONG`` gives each consumer warpgroup a partition of its own (tiles of 8 warps
+#: only), so that one's softmax runs while the other's MMAs do. ``TURNS`` makes those two issue their Q K^T in
+#: alternation, and ``OVERLAP`` issues each tile's Q K^T together with the previous tile's P V (as an
+#: asynchronous MMA) so that the softmax runs under it.
+#: On the H200 (docs/performance.md, runs 3 and 4; ci/gpu/hopper_check.py, 4 bench workloads x 2 layouts):
+#: heavy-first was at least as fast as index order on every row; ping-pong was the fastest schedule on 7 of 8
+#: rows, 1.04-1.20 x the lockstep loop and 1.28-1.49 x the portable kernel, and passed the 29 checks of
+#: hopper_check.py and sm80's conformance suite with the kernel forced; ``TURNS`` was 3-10% slower on NHD;
+#: ``OVERLAP`` gave NaN on NHD then (P was overwritten while its P V ran; fixed since, not yet re-measured).
+SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=False)
 #: Registers per thread of the second consumer partition under ``PINGPONG`` (the first, the kernel's default
 #: partition, keeps what the others leave).
 CONSUMER_REGS = 240
