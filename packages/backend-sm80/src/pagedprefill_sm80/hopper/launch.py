@@ -160,10 +160,11 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: alternation, and ``OVERLAP`` issues each tile's Q K^T together with the previous tile's P V (as an
 #: asynchronous MMA) so that the softmax runs under it.
 #: On the H200 (docs/performance.md, runs 3 and 4; ci/gpu/hopper_check.py, 4 bench workloads x 2 layouts):
-#: heavy-first was at least as fast as index order on every row; ping-pong was the fastest schedule on 7 of 8
-#: rows, 1.04-1.20 x the lockstep loop and 1.28-1.49 x the portable kernel, and passed the 29 checks of
-#: hopper_check.py and sm80's conformance suite with the kernel forced; ``TURNS`` was 3-10% slower on NHD;
-#: ``OVERLAP`` gave NaN on NHD then (P was overwritten while its P V ran; fixed since, not yet re-measured).
+#: heavy-first was at least as fast as index order on every row; ping-pong was 1.00-1.21 x the lockstep loop
+#: and 1.24-1.49 x the portable kernel, the fastest schedule on every NHD row and within 1.3% of ``TURNS`` on
+#: the split rows, and passed the 29 checks of hopper_check.py and sm80's conformance suite with the kernel
+#: forced; ``TURNS`` was 3-10% slower on NHD; ``OVERLAP`` gave NaN on NHD then (P was overwritten while its
+#: P V ran; fixed since, not yet re-measured).
 SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=False)
 #: Registers per thread of the second consumer partition under ``PINGPONG`` (the first, the kernel's default
 #: partition, keeps what the others leave).
