@@ -5,6 +5,7 @@ and a bare Triton launch of the same kernel with its arguments prepared once (wh
 of a seed-style kernel costs). Prints microseconds per call.
 """
 
+import os
 import sys
 import time
 
@@ -13,7 +14,7 @@ import torch
 from pagedprefill.api import select_backend
 from pagedprefill.backends.triton_base import problem_shape
 from pagedprefill.device import DeviceInfo
-from pagedprefill.plans import call_signature
+from pagedprefill.plans import call_signature, forget
 from pagedprefill.testing import BatchSpec, make_problem
 from pagedprefill.triton.kernel import prefix_prefill_kernel
 from pagedprefill.triton.launch import bind_launch, call_tensors, kernel_call, launch_prefill
@@ -59,6 +60,12 @@ def main():
         "BoundLaunch": per_call_us(lambda: bound(call_tensors(p))),
         "signature+lookup+BoundLaunch": per_call_us(planned),
     }
+    if info.capability[0] == 9:  # sm80's Hopper kernel, which also rebuilds TMA descriptors whose tensor moved
+        os.environ["PAGEDPREFILL_SM80_KERNEL"] = "hopper"
+        forget()
+        rows["context_attention_fwd, Hopper"] = per_call_us(drop_in)
+        del os.environ["PAGEDPREFILL_SM80_KERNEL"]
+        forget()
     for name, us in rows.items():
         print(f"host overhead {spec.layout:<5} {name:<28} {us:7.1f} us/call")
 

@@ -13,7 +13,8 @@
 #   hopper-schedules  the Hopper kernel's correctness under each schedule of HOPPER_SCHEDULES (separated by ';',
 #                e.g. "PINGPONG=1;PINGPONG=1,OVERLAP=1"), one process per schedule at the same time, no timing;
 #   hopper-conformance  sm80's conformance suite with the Hopper kernel forced (sm90 only), a short sweep;
-#   guard-cost   ci/gpu/guard_cost.py: the portable kernel's memory-safety guards timed on the bench suite.
+#   guard-cost   ci/gpu/guard_cost.py: the portable kernel's memory-safety guards timed on the bench suite;
+#   host-overhead  ci/gpu/host_overhead.py on both layouts: the host's time per call, layer by layer.
 # Usage: ci/gpu/verify.sh OUTDIR [step ...]   (default: core-gpu conformance fuzz=2000 bench)
 # STEP_TIMEOUT bounds each test step (seconds, default 600) and DEADLINE (a time in seconds since the epoch) the
 # whole run, so that a run cut short still writes its logs; COMMIT names the commit the bench records.
@@ -91,7 +92,11 @@ for step in ${*:-core-gpu conformance fuzz=2000 bench}; do
     guard-cost)
       timeout "$limit" python3 ci/gpu/guard_cost.py --reps 60 >"$out/guard_cost.log" 2>&1 || rc=1
       sed -n '/^workload | layout/,$p' "$out/guard_cost.log" ;;
-    *) echo "unknown step $step (core-gpu, conformance[=BACKENDS], fuzz=N, bench, hopper, hopper-schedules, hopper-conformance, guard-cost)"; rc=2 ;;
+    host-overhead)
+      for layout in split nhd; do
+        timeout "$limit" python3 ci/gpu/host_overhead.py "$layout" 2>&1 | tee -a "$out/host_overhead.log" || rc=1
+      done ;;
+    *) echo "unknown step $step (core-gpu, conformance[=BACKENDS], fuzz=N, bench, hopper, hopper-schedules, hopper-conformance, guard-cost, host-overhead)"; rc=2 ;;
   esac
 done
 exit $rc

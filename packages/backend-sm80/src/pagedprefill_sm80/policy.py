@@ -34,7 +34,9 @@ from pagedprefill.tuning import load_table, lookup, table_key, user_table_path
 KERNEL_ENV = "PAGEDPREFILL_SM80_KERNEL"
 KERNEL_CHOICES = ("auto", "hopper", "portable")
 #: Whether ``auto`` picks the Hopper kernel where it fits. Off until every conformance suite has passed on an
-#: H200 with it (its own forced suite passed there on 2026-11-30; the others have not run since).
+#: H200 with it as the choice and the bench has run with it: on 2026-12-01 its forced suite passed there with
+#: the ping-pong schedule (79 of 79) and it was 1.24-1.49 x the portable kernel at head size 128
+#: (docs/performance.md, run 4), but the three suites with it as the choice were not run to the end.
 HOPPER_BY_DEFAULT = False
 #: Head sizes on which ``auto`` would pick it: where it beat the portable kernel on the H200 bench (run 3: head
 #: size 128 on both layouts; at 64 and 256 it was slower, 274 vs 316 and 313 vs 429 TFLOP/s on NHD).
