@@ -244,3 +244,14 @@ def test_no_numpy_warning_without_numpy(without_numpy, args):
                           env=without_numpy, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "NumPy" not in proc.stderr, proc.stderr
+
+
+def test_host_overhead_alternates_rounds_and_reports_the_median():
+    from pagedprefill.cli.bench import format_overhead, host_overhead
+
+    result = host_overhead(torch.device("cpu"), "reference", "nhd", calls=14, rounds=7)
+    assert result["calls"] == 14 and result["bare_launch_us"] is None  # the reference has no Triton launch
+    low, high = result["spread_us"]["drop_in_us"]
+    assert 0 < low <= result["drop_in_us"] <= high
+    table = format_overhead([result])
+    assert f"| reference | nhd | {result['drop_in_us']:.1f} ({low:.1f}-{high:.1f}) | - |" in table

@@ -16,6 +16,7 @@ arguments prepared once (what a hand-written launch of such a kernel costs).
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 from typing import Callable, Optional
@@ -147,10 +148,14 @@ def run_suite(backends: list[str], workloads: list[Workload], device: torch.devi
     return rows
 
 
-def host_overhead(device: torch.device, backend: str, layout: str = "split", calls: int = 2000) -> dict:
+def host_overhead(device: torch.device, backend: str, layout: str = "split", calls: int = 2000,
+                  rounds: int = 7) -> dict:
     """Microseconds per call on a tiny batch, host-bound: the drop-in, and a bare launch of the same kernel.
 
-    The bare launch exists only for backends built on core's Triton kernel (None otherwise).
+    The bare launch exists only for backends built on core's Triton kernel (None otherwise). Each is timed in
+    ``rounds`` rounds of ``calls / rounds`` calls without synchronising, the two alternating round by round so
+    that both see the same state of the host, and the median round is reported (a shared host's speed moves
+    between one measurement and the next: single runs of 2000 calls differed by 1.7 x on the same machine).
     """
     from .. import api
     from ..api import get_registry
@@ -166,18 +171,7 @@ def host_overhead(device: torch.device, backend: str, layout: str = "split", cal
         api.context_attention_fwd(p.q, p.k, p.v, p.out, "auto", c.key, c.value, b.block_table, b.query_start,
                                   b.seq_lens, b.context_lens, 4, backend=backend)
 
-    def per_call_us(fn) -> float:
-        for _ in range(20):
-            fn()
-        accelerator.synchronize(device)
-        started = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        accelerator.synchronize(device)
-        return (time.perf_counter() - started) / calls * 1e6
-
-    result = {"backend": backend, "layout": layout, "calls": calls, "drop_in_us": per_call_us(drop_in),
-              "bare_launch_us": None}
+    timed = {"drop_in_us": drop_in}
     chosen = get_registry().get(backend)
     if isinstance(chosen, TritonBackend):
         from ..triton.kernel import prefix_prefill_kernel
@@ -185,7 +179,24 @@ def host_overhead(device: torch.device, backend: str, layout: str = "split", cal
 
         info = DeviceInfo.detect(device)
         call = kernel_call(p, chosen.tile_config(problem_shape(p), info))
-        result["bare_launch_us"] = per_call_us(lambda: prefix_prefill_kernel[call.grid](*call.args, **call.kwargs))
+        timed["bare_launch_us"] = lambda: prefix_prefill_kernel[call.grid](*call.args, **call.kwargs)
+    per_round = max(1, calls // rounds)
+    samples = {name: [] for name in timed}
+    for fn in timed.values():  # warm-up: compile, and build the launch plan
+        for _ in range(20):
+            fn()
+    for _ in range(rounds):
+        for name, fn in timed.items():
+            accelerator.synchronize(device)
+            started = time.perf_counter()
+            for _ in range(per_round):
+                fn()
+            accelerator.synchronize(device)
+            samples[name].append((time.perf_counter() - started) / per_round * 1e6)
+    result = {"backend": backend, "layout": layout, "calls": per_round * rounds, "drop_in_us": None,
+              "bare_launch_us": None}
+    result.update({name: statistics.median(values) for name, values in samples.items()})
+    result["spread_us"] = {name: [round(min(values), 1), round(max(values), 1)] for name, values in samples.items()}
     return result
 
 
@@ -203,11 +214,18 @@ def format_table(rows: list[dict], field: str = "tflops", fmt: str = "{:.1f}") -
 
 
 def format_overhead(results: list[dict]) -> str:
+    """The host-overhead table: the median round of each, with the fastest and slowest rounds."""
     lines = ["| backend | layout | drop-in context_attention_fwd | bare Triton launch, same kernel |",
              "| --- | --- | ---: | ---: |"]
+
+    def cell(r: dict, name: str) -> str:
+        if r.get(name) is None:
+            return "-"
+        low_high = r.get("spread_us", {}).get(name)
+        return f"{r[name]:.1f}" + (f" ({low_high[0]:.1f}-{low_high[1]:.1f})" if low_high else "")
+
     for r in results:
-        bare = "-" if r["bare_launch_us"] is None else f"{r['bare_launch_us']:.1f}"
-        lines.append(f"| {r['backend']} | {r['layout']} | {r['drop_in_us']:.1f} | {bare} |")
+        lines.append(f"| {r['backend']} | {r['layout']} | {cell(r, 'drop_in_us')} | {cell(r, 'bare_launch_us')} |")
     return "\n".join(lines)
 
 
@@ -275,7 +293,8 @@ def cmd_bench(args) -> int:
     print("\nFirst call per workload (s, includes compiling unless cached):\n")
     print(format_table(rows, "first_call_s", "{:.1f}"))
     if overhead:
-        print("\nHost overhead, tiny batch, us per call (2000 calls, no synchronisation):\n")
+        print("\nHost overhead, tiny batch, us per call (no synchronisation; median of 7 rounds of 285 calls, the "
+              "two alternating, with the fastest and slowest round):\n")
         print(format_overhead(overhead))
     if args.json:
         with open(args.json, "w") as fh:
