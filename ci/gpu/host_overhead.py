@@ -6,6 +6,7 @@ of a seed-style kernel costs). Prints microseconds per call.
 """
 
 import os
+import statistics
 import sys
 import time
 
@@ -20,15 +21,23 @@ from pagedprefill.triton.kernel import prefix_prefill_kernel
 from pagedprefill.triton.launch import bind_launch, call_tensors, kernel_call, launch_prefill
 
 
-def per_call_us(fn, n=2000):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
+def per_call_us(fns: dict, calls: int = 2000, rounds: int = 7) -> dict:
+    """Median microseconds per call of each of ``fns``, timed in ``rounds`` rounds that alternate between them
+    (a shared host's speed moves from one measurement to the next), with the fastest and slowest round."""
+    for fn in fns.values():
+        for _ in range(20):
+            fn()
+    samples = {name: [] for name in fns}
+    per_round = max(1, calls // rounds)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(per_round):
+                fn()
+            torch.cuda.synchronize()
+            samples[name].append((time.perf_counter() - t0) / per_round * 1e6)
+    return {name: (statistics.median(v), min(v), max(v)) for name, v in samples.items()}
 
 
 def main():
@@ -52,22 +61,23 @@ def main():
     c, b = p.cache, p.batch
     drop_in = lambda: pp.context_attention_fwd(p.q, p.k, p.v, p.out, "auto", c.key, c.value, b.block_table,  # noqa: E731
                                                b.query_start, b.seq_lens, b.context_lens, 4)
-    rows = {
-        "context_attention_fwd": per_call_us(drop_in),
-        f"{backend.name} backend.run": per_call_us(lambda: backend.run(p, info)),
-        "launch_prefill": per_call_us(lambda: launch_prefill(p, cfg)),
-        "bare Triton launch": per_call_us(lambda: prefix_prefill_kernel[call.grid](*call.args, **call.kwargs)),
-        "BoundLaunch": per_call_us(lambda: bound(call_tensors(p))),
-        "signature+lookup+BoundLaunch": per_call_us(planned),
+    fns = {
+        "context_attention_fwd": drop_in,
+        f"{backend.name} backend.run": lambda: backend.run(p, info),
+        "launch_prefill": lambda: launch_prefill(p, cfg),
+        "bare Triton launch": lambda: prefix_prefill_kernel[call.grid](*call.args, **call.kwargs),
+        "BoundLaunch": lambda: bound(call_tensors(p)),
+        "signature+lookup+BoundLaunch": planned,
     }
+    rows = per_call_us(fns)
     if info.capability[0] == 9:  # sm80's Hopper kernel, which also rebuilds TMA descriptors whose tensor moved
         os.environ["PAGEDPREFILL_SM80_KERNEL"] = "hopper"
         forget()
-        rows["context_attention_fwd, Hopper"] = per_call_us(drop_in)
+        rows.update(per_call_us({"context_attention_fwd, Hopper": drop_in}))
         del os.environ["PAGEDPREFILL_SM80_KERNEL"]
         forget()
-    for name, us in rows.items():
-        print(f"host overhead {spec.layout:<5} {name:<28} {us:7.1f} us/call")
+    for name, (us, low, high) in rows.items():
+        print(f"host overhead {spec.layout:<5} {name:<32} {us:7.1f} us/call (rounds {low:.1f}-{high:.1f})")
 
 
 if __name__ == "__main__":
