@@ -43,7 +43,8 @@ def test_forced_hopper_kernel_takes_the_shapes_it_is_built_for(monkeypatch):
     for changes in ({}, {"head_size": 64}, {"head_size": 256},
                     {"dtype": torch.float16}, {"block_size": 64}, {"block_size": 8},
                     {"num_kv_heads": 8}, {"layout": "split"}, {"layout": "split", "head_size": 64},
-                    {"sliding_window": 7, "alibi": True, "softcap": 5.0, "sinks": True}):
+                    {"sliding_window": 7, "alibi": True, "softcap": 5.0, "sinks": True},
+                    {"kv_cache_dtype": "fp8_e4m3"}, {"kv_cache_dtype": "fp8_e5m2", "head_size": 64}):
         kernel, why = choose_kernel(shape(**changes), H200)
         assert (kernel, why) == ("hopper", f"{KERNEL_ENV}=hopper"), changes
         config = Sm80Backend().tile_config(shape(**changes), H200)
@@ -53,7 +54,8 @@ def test_forced_hopper_kernel_takes_the_shapes_it_is_built_for(monkeypatch):
 @pytest.mark.parametrize("changes, words", [
     ({"layout": "split", "block_size": 8}, "block size >= 16"),
     ({"layout": "split", "head_size": 256}, "split layout for head sizes up to 128"),
-    ({"kv_cache_dtype": "fp8_e4m3"}, "fp8_e4m3"),
+    ({"kv_cache_dtype": "fp8_e4m3", "layout": "split"}, "FP8 cache in the NHD layout"),
+    ({"kv_cache_dtype": "fp8_e4m3", "head_size": 256}, "head sizes up to 128"),
     ({"dtype": torch.float32}, "float32"),
     ({"head_size": 96}, "head sizes"),
     ({"block_size": 4}, "block size"),
@@ -107,6 +109,9 @@ COMPILED = {
     "block64": {"block_size": 64}, "block8": {"block_size": 8},
     "features": {"sliding_window": 20, "alibi": True, "softcap": 10.0, "sinks": True, "fp8_out_scale": 0.5},
     "vllm-options": {"kv_in_cache": True, "causal": False, "skip_decode": True},
+    "fp8": {"kv_cache_dtype": "fp8_e4m3"},
+    "fp8-e5m2-d64-vllm-options": {"kv_cache_dtype": "fp8_e5m2", "head_size": 64, "kv_in_cache": True,
+                                  "causal": False, "sliding_window": 9, "scale_as_tensor": True},
     "split": {"layout": "split"}, "split-block64": {"layout": "split", "block_size": 64},
     "split-vllm-options": {"layout": "split", "kv_in_cache": True, "causal": False, "sliding_window": 9},
 }
@@ -173,8 +178,11 @@ def test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma():
             # Two consumer partitions of one warpgroup each, each with its own MMAs; the launch is the first's.
             assert pingpong["launch_warps"] == 4 and pingpong["wgmma"] == 2 * plain["wgmma"], call
             assert summaries[f"{call}/pingpong-turns"]["wgmma"] == pingpong["wgmma"], call
-            # The spare Q K^T of the overlapped loop's prologue: one more MMA per consumer.
-            assert summaries[f"{call}/pingpong-overlap-turns"]["wgmma"] > pingpong["wgmma"], call
+            overlapped = summaries[f"{call}/pingpong-overlap-turns"]
+            if "kv_cache_dtype" in COMPILED[call]:  # FP8 tiles are widened before their MMAs: no OVERLAP
+                assert overlapped == summaries[f"{call}/pingpong-turns"], call
+            else:  # the spare Q K^T of the overlapped loop's prologue: one more MMA per consumer
+                assert overlapped["wgmma"] > pingpong["wgmma"], call
         else:  # one warpgroup holds the whole tile: nothing to split, no one to take turns with
             assert pingpong == plain == summaries[f"{call}/pingpong-turns"], call
             assert summaries[f"{call}/pingpong-overlap-turns"]["wgmma"] > plain["wgmma"], call
@@ -213,8 +221,9 @@ def test_info_shows_each_routes_kernel_and_reason():
     lines = proc.stdout.splitlines()
     routes = [line.split() for line in lines if line.startswith("  ") and ("hopper" in line or "portable" in line)]
     assert any(r[:4] == ["prefix-cached", "8x(1024+7168)", "nhd", "hopper"] for r in routes), proc.stdout
-    fp8 = [line for line in lines if line.lstrip().startswith("FP8 e4m3 KV")]
-    assert fp8 and all("portable" in line and "fp8_e4m3" in line for line in fp8), proc.stdout
+    fp8 = [line.split() for line in lines if line.lstrip().startswith("FP8 e4m3 KV")]
+    # NHD reads an FP8 cache on the Hopper kernel; the split layout's FP8 keys stay on the portable one.
+    assert sorted(r[4:6] for r in fp8) == [["nhd", "hopper"], ["split", "portable"]], proc.stdout
 
 
 def test_repeated_calls_rebuild_only_the_descriptors_whose_tensor_moved():
@@ -241,16 +250,18 @@ def check_rebuilt_arguments():
 
     from pagedprefill_sm80.hopper.launch import DESCRIPTORS, _Arguments, call_tensors
 
-    for layout in ("nhd", "split"):
-        first = make_problem(SPEC.replace(layout=layout))
+    # An FP8 cache is described through views of its bytes as FP8: rebuilt with that type, not the bytes'.
+    for changes in ({"layout": "nhd"}, {"layout": "split"},
+                    {"layout": "nhd", "kv_cache_dtype": "fp8_e4m3", "scale_as_tensor": True}):
+        first = make_problem(SPEC.replace(**changes))
         config = hopper_config(problem_shape(first))
         arguments = _Arguments(first, call_tensors(first, config))
-        later = make_problem(SPEC.replace(layout=layout, seed=7))
+        later = make_problem(SPEC.replace(**changes, seed=7))
         got, want = arguments(later), call_tensors(later, config)
         assert len(got) == len(want)
         for g, w in zip(got[DESCRIPTORS], want[DESCRIPTORS]):
-            assert (g.base.data_ptr(), g.shape, g.strides, g.block_shape, g.layout) == \
-                (w.base.data_ptr(), w.shape, w.strides, w.block_shape, w.layout)
+            assert (g.base.data_ptr(), g.base.dtype, g.shape, g.strides, g.block_shape, g.layout) == \
+                (w.base.data_ptr(), w.base.dtype, w.shape, w.strides, w.block_shape, w.layout)
         assert all(g is w for i, (g, w) in enumerate(zip(got, want)) if i not in range(2, 7))
         again = arguments(later)
         assert all(a is b for a, b in zip(again[DESCRIPTORS], got[DESCRIPTORS]))

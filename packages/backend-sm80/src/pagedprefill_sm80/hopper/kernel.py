@@ -8,7 +8,8 @@ head) pairs, ``HEADS_PER_TILE`` heads of one KV group packed together), with the
   page (or one per tile when a page holds several tiles), one box per tile of new tokens. In the split
   layout the cached keys come by 16-byte asynchronous copies instead (no TMA view fits their
   ``[D / x, block, x]`` pages) and the cached values as V^T pages (``[D, block]``) into a ring of their
-  own. Each buffer has a ``ready`` barrier (the copies have landed) and an ``empty`` barrier (the
+  own. An FP8 cache (NHD) lands in FP8 buffers of its own, which each consumer widens to 16 bits before its
+  MMAs. Each buffer has a ``ready`` barrier (the copies have landed) and an ``empty`` barrier (the
   consumers are done);
 * the **consumer** warpgroups run ``S = Q K^T`` and ``O += P V`` as warpgroup MMAs straight from shared
   memory and the online softmax in registers, never waiting for a load the producer could have issued
@@ -124,11 +125,13 @@ def _producer(loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
     block count, ``walk`` the key tiles (:func:`_key_tiles`; the consumers' row positions are not used here).
     """
     k_cache, v_cache, k_new, v_new, v_cache_t, split_keys = loads
-    k_smem, v_smem, vt_smem, ready, empty = ring
+    k_smem, v_smem, vt_smem, k8_smem, v8_smem, ready, empty = ring
     table_row, table_width, num_blocks = table
     cache_start, cache_tiles, new_start, new_tiles, _, _ = walk
     BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
     HALF_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * k_new.dtype.primitive_bitwidth // 8
+    # Cached tiles in the cache's own element type (FP8 caches land in their own ring, k8_smem / v8_smem).
+    CACHE_HALF_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * v_cache_t.dtype.primitive_bitwidth // 8
     col = kv_head * HEAD_SIZE
     for it in range(cache_tiles + new_tiles):
         s = it % STAGES
@@ -142,9 +145,9 @@ def _producer(loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
                 # Arrives once this lane's copies have landed; issued before the TMA's expect, so the barrier
                 # cannot complete on the value bytes alone.
                 async_copy.mbarrier_arrive(ready.index(s))
-                mbarrier.expect(ready.index(s), HALF_BYTES)
+                mbarrier.expect(ready.index(s), CACHE_HALF_BYTES)
             else:
-                mbarrier.expect(ready.index(s), 2 * HALF_BYTES)
+                mbarrier.expect(ready.index(s), 2 * CACHE_HALF_BYTES)
             for b in gl.static_range(BLOCK_N // BOX):
                 pos = n0 + b * BOX
                 # Clamped column and block number: a corrupt table reads a wrong page, never outside the cache.
@@ -157,9 +160,10 @@ def _producer(loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
                                                     ready.index(s), vt_smem.index(s).slice(b * BOX, BOX, dim=1))
                 else:
                     row = page * PAGE + pos % PAGE
-                    tma.async_copy_global_to_shared(k_cache, [row, col], ready.index(s), k_dst.slice(b * BOX, BOX))
+                    tma.async_copy_global_to_shared(k_cache, [row, col], ready.index(s),
+                                                    k8_smem.index(s).slice(b * BOX, BOX))
                     tma.async_copy_global_to_shared(v_cache, [row, col], ready.index(s),
-                                                    v_smem.index(s).slice(b * BOX, BOX))
+                                                    v8_smem.index(s).slice(b * BOX, BOX))
         else:
             mbarrier.expect(ready.index(s), 2 * HALF_BYTES)
             row = seq_row0 + new_start + (it - cache_tiles) * BLOCK_N
@@ -175,6 +179,16 @@ def _wait_tile(ready, it, from_cache, SPLIT: gl.constexpr, STAGES: gl.constexpr)
     if SPLIT:
         if from_cache:
             fence_async_shared()
+
+
+@gluon.jit
+def _widen(src, dst, HEAD_SIZE: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """Copy an FP8 key or value tile ``src`` into ``dst`` in the MMA's 16-bit type, exactly (every FP8 value is
+    a bfloat16 and a float16 value; the cache's scales are folded into the logits and the output instead).
+    Each thread moves 16 bytes of FP8 at a time."""
+    LANES_D: gl.constexpr = HEAD_SIZE // 16
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // LANES_D, LANES_D], [NUM_WARPS, 1], [1, 0])
+    dst.store(src.load(layout).to(dst.dtype))
 
 
 @gluon.jit
@@ -220,13 +234,14 @@ def _softmax_tile(scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, k
 
 
 @gluon.jit
-def _consumer(q_smem, ring, output, rows, walk, features, turns,
+def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_scales,
               HEAD_SIZE: gl.constexpr, ROW0: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEADS_PER_TILE: gl.constexpr, TOKENS_PER_TILE: gl.constexpr, STAGES: gl.constexpr,
               NUM_WARPS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
               ALIBI: gl.constexpr, SINKS: gl.constexpr, NEW_KV_IN_CACHE: gl.constexpr,
               OUT_SCALE: gl.constexpr, OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr,
-              SPLIT: gl.constexpr, TURNS: gl.constexpr, OVERLAP: gl.constexpr):
+              SPLIT: gl.constexpr, TURNS: gl.constexpr, OVERLAP: gl.constexpr, FP8_CACHE: gl.constexpr,
+              K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr):
     """Consume the ring for rows ``ROW0 .. ROW0 + BLOCK_M`` of the tile (``q_smem`` holds those rows):
     scores, online softmax and ``P V`` per key tile; then normalise and store.
 
@@ -236,12 +251,26 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns,
     ``turns`` is ``(mine, other)``: this consumer issues a tile's ``Q K^T`` only when ``mine`` says it is its
     turn, then hands the turn to the other consumer, so the two take the tensor cores in alternation (with
     ``OVERLAP``, the turn covers the next tile's ``Q K^T`` and this tile's ``P V``, issued together).
+
+    ``FP8_CACHE``: cached tiles arrive in FP8 (``k8_smem``/``v8_smem`` of the ring); this consumer widens each
+    into ``widened`` (its own 16-bit K and V buffers), hands the FP8 buffer back at once, and runs its MMAs on
+    the widened copy. ``kv_scales`` (``k_scale``, ``v_scale`` and their tensor forms) are folded as in the
+    portable kernel: ``k_scale`` into the cached tiles' logit scale, ``v_scale`` into the accumulator once the
+    cached tiles are done (they come first).
     """
-    k_smem, v_smem, vt_smem, ready, empty = ring
+    k_smem, v_smem, vt_smem, k8_smem, v8_smem, ready, empty = ring
+    kc_smem, vc_smem = widened
     Out, stride_ot, stride_oh, out_scale, out_scale_ptr = output
     tok0, kv_head, chunk, group_size, seq_row0, num_tokens, ctx_len, q_len = rows
     cache_start, cache_tiles, new_start, new_tiles, pos_first, full_from = walk
     alibi_slopes, sinks, window, softcap, qk_scale = features
+    gl.static_assert(not (FP8_CACHE and (OVERLAP or SPLIT)), "FP8 caches: NHD layout, not with OVERLAP")
+    qk_scale_cache = qk_scale
+    v_scale = 1.0
+    if FP8_CACHE:
+        k_scale_value, v_scale_value, k_scale_ptr, v_scale_ptr = kv_scales
+        qk_scale_cache = qk_scale * scalar_or_load(k_scale_value, k_scale_ptr, K_SCALE_PTR)
+        v_scale = scalar_or_load(v_scale_value, v_scale_ptr, V_SCALE_PTR)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
@@ -322,26 +351,50 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns,
     else:
         for it in range(total):
             s = it % STAGES
-            _wait_tile(ready, it, it < cache_tiles, SPLIT, STAGES)
+            from_cache = it < cache_tiles
+            _wait_tile(ready, it, from_cache, SPLIT, STAGES)
+            if FP8_CACHE:
+                if it == cache_tiles:  # the cached tiles are done: their values' scale, once
+                    acc = acc * v_scale
+                if from_cache:
+                    # Widened into this consumer's own buffers (the last tile's MMAs on them are complete: they
+                    # are synchronous), then the FP8 buffer goes back to the producer.
+                    _widen(k8_smem.index(s), kc_smem, HEAD_SIZE, NUM_WARPS)
+                    _widen(v8_smem.index(s), vc_smem, HEAD_SIZE, NUM_WARPS)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    mbarrier.arrive(empty.index(s), count=1)
             if TURNS:
                 mbarrier.wait(turns[0], it & 1)
-            scores = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)),
-                                   gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False)
+            zeros = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+            if FP8_CACHE and from_cache:
+                scores = warpgroup_mma(q_smem, kc_smem.permute((1, 0)), zeros, use_acc=False)
+            else:
+                scores = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), zeros, use_acc=False)
             if TURNS:
                 mbarrier.arrive(turns[1], count=1)
+            tile_scale = qk_scale
+            if FP8_CACHE and from_cache:
+                tile_scale = qk_scale_cache
             p_op, alpha, m_i, l_i = _softmax_tile(
-                scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap, qk_scale,
+                scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap, tile_scale,
                 cache_start, cache_tiles, new_start, pos_first, full_from, p_layout, q_smem.dtype, BLOCK_N, CAUSAL,
                 WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            if SPLIT and it < cache_tiles:
+            if FP8_CACHE and from_cache:
+                acc = warpgroup_mma(p_op, vc_smem, acc)
+            elif SPLIT and from_cache:
                 # Cached values arrive transposed (V^T pages) in their own ring, new tokens' values as rows.
                 acc = warpgroup_mma(p_op, vt_smem.index(s).permute((1, 0)), acc)
             else:
                 acc = warpgroup_mma(p_op, v_smem.index(s), acc)
             # Every warp of this consumer is past its MMAs before the buffer is handed back to the producer.
             gl.thread_barrier()
-            mbarrier.arrive(empty.index(s), count=1)
+            if not (FP8_CACHE and from_cache):
+                mbarrier.arrive(empty.index(s), count=1)
+        if FP8_CACHE:
+            if new_tiles == 0:  # no new tile followed the cached ones
+                acc = acc * v_scale
 
     sink2 = gl.zeros([BLOCK_M], gl.float32, row_o)
     if SINKS:
@@ -366,8 +419,9 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns,
 @gluon.jit
 def hopper_prefill_kernel(
     Q, Out, k_cache, v_cache, k_new, v_new, v_cache_t, K_cache, block_table, query_start, seq_lens, ctx_lens,
-    alibi_slopes, sinks, out_scale_ptr,
-    qk_scale, out_scale, softcap, window, num_seqs, num_tokens, num_blocks, table_width, group_size,
+    alibi_slopes, sinks, out_scale_ptr, k_scale_ptr, v_scale_ptr,
+    qk_scale, out_scale, k_scale, v_scale, softcap, window, num_seqs, num_tokens, num_blocks, table_width,
+    group_size,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table_seq,
     stride_kb, stride_kh, stride_kd, v_rows_per_block,
     HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -376,6 +430,7 @@ def hopper_prefill_kernel(
     SKIP_DECODE: gl.constexpr, NEW_KV_IN_CACHE: gl.constexpr, OUT_SCALE: gl.constexpr,
     OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr, HEAVY_FIRST: gl.constexpr,
     SPLIT: gl.constexpr, X: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr, OVERLAP: gl.constexpr,
+    FP8_CACHE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Prefix-prefill attention of one query tile on sm90 (see the module docstring).
@@ -392,6 +447,9 @@ def hopper_prefill_kernel(
     otherwise one consumer partition of ``NUM_WARPS`` warps runs the whole tile in lockstep. ``TURNS`` (with
     ``PINGPONG``) makes the two consumers issue their ``Q K^T`` in strict alternation, the first one first.
     ``OVERLAP`` issues each tile's ``Q K^T`` before the previous tile's softmax is done with (see _consumer).
+    ``FP8_CACHE`` (NHD): ``k_cache``/``v_cache`` describe the FP8 cache; its tiles land in FP8 buffers of their
+    own and each consumer widens them to 16 bits before its MMAs; ``k_scale``/``v_scale`` (or the tensors behind
+    ``k_scale_ptr``/``v_scale_ptr``) are folded into the logits and the output.
     """
     TOKENS_PER_TILE: gl.constexpr = BLOCK_M // HEADS_PER_TILE
     tile = gl.program_id(0)
@@ -438,9 +496,22 @@ def hopper_prefill_kernel(
         vt_smem = gl.allocate_shared_memory(dtype, [STAGES, HEAD_SIZE, BLOCK_N], vt_layout)
     else:
         vt_smem = v_smem
+    CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
+    if FP8_CACHE:
+        # Cached tiles in FP8 as they arrive, and each consumer's own 16-bit copy of the tile it works on.
+        c_dtype: gl.constexpr = k_cache.dtype
+        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_SIZE], c_dtype)
+        k8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, BLOCK_N, HEAD_SIZE], c_layout)
+        v8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, BLOCK_N, HEAD_SIZE], c_layout)
+        kc_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_N, HEAD_SIZE], kv_layout)
+        vc_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_N, HEAD_SIZE], kv_layout)
+    else:
+        k8_smem = k_smem
+        v8_smem = v_smem
+        kc_smem = k_smem  # unused
+        vc_smem = v_smem
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)  # every consumer hands the buffer back
@@ -456,7 +527,8 @@ def hopper_prefill_kernel(
 
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     # The consumers' arguments, grouped (see _consumer); both walk the same key tiles.
-    ring = (k_smem, v_smem, vt_smem, ready, empty)
+    ring = (k_smem, v_smem, vt_smem, k8_smem, v8_smem, ready, empty)
+    kv_scales = (k_scale, v_scale, k_scale_ptr, v_scale_ptr)
     output = (Out, stride_ot, stride_oh, out_scale, out_scale_ptr)
     rows = (tok0, kv_head, chunk, group_size, seq_row0, num_tokens, ctx_len, q_len)
     walk = (cache_start, cache_tiles, new_start, new_tiles, ctx_len + tok0, full_from)
@@ -467,22 +539,25 @@ def hopper_prefill_kernel(
     if PINGPONG:
         gl.warp_specialize([
             (_consumer, (q_smem.slice(0, ROWS), ring, output, rows, walk, features, (turn.index(0), turn.index(1)),
+                         (kc_smem.index(0), vc_smem.index(0)), kv_scales,
                          HEAD_SIZE, 0, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
-                         TURNS, OVERLAP)),
+                         TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR)),
             (_consumer, (q_smem.slice(ROWS, ROWS), ring, output, rows, walk, features, (turn.index(1), turn.index(0)),
+                         (kc_smem.index(CONSUMERS - 1), vc_smem.index(CONSUMERS - 1)), kv_scales,
                          HEAD_SIZE, ROWS, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
-                         TURNS, OVERLAP)),
+                         TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR)),
             (_producer, (loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
                          HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X)),
         ], [LAUNCH_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (q_smem, ring, output, rows, walk, features, (turn.index(0), turn.index(1)),
+                         (kc_smem.index(0), vc_smem.index(0)), kv_scales,
                          HEAD_SIZE, 0, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
-                         False, OVERLAP)),
+                         False, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR)),
             (_producer, (loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
                          HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X)),
         ], [1], [PRODUCER_REGS])

@@ -24,16 +24,21 @@ from pagedprefill.types import KVLayout, PrefillProblem
 HEAD_SIZES = (64, 128, 256)
 #: TMA coordinates are 32-bit.
 MAX_ROWS = 2**31 - 1
+#: FP8 cache formats the kernel reads (NHD): widened to the input dtype exactly, scales folded.
+FP8_CACHES = ("fp8_e4m3", "fp8_e5m2")
 
 
 def shape_unfit_reason(shape: ProblemShape, config: TileConfig) -> Optional[str]:
     """Why the Hopper kernel cannot take calls of this shape with this tile, or None when it can."""
     if shape.dtype not in (torch.float16, torch.bfloat16):
         return f"needs float16 or bfloat16 inputs, not {shape.dtype}"
-    if shape.kv_cache_dtype != "auto":
-        return f"reads the cache in the input dtype only, not {shape.kv_cache_dtype!r}"
     if shape.layout not in ("nhd", "split"):
         return f"reads the NHD and split cache layouts, not {shape.layout!r}"
+    if shape.kv_cache_dtype not in ("auto", *FP8_CACHES):
+        return f"reads caches in the input dtype or {' or '.join(FP8_CACHES)}, not {shape.kv_cache_dtype!r}"
+    if shape.kv_cache_dtype != "auto" and (shape.layout != "nhd" or shape.head_size > 128):
+        return f"reads an FP8 cache in the NHD layout for head sizes up to 128 only (its widened copies take " \
+               f"shared memory), not {shape.layout} with head size {shape.head_size}"
     if shape.head_size not in HEAD_SIZES:
         return f"is built for head sizes {HEAD_SIZES}, not {shape.head_size}"
     if shape.layout == "split" and shape.head_size > 128:
@@ -99,6 +104,14 @@ def unfit_reason(problem: PrefillProblem, config: TileConfig) -> Optional[str]:
     return None
 
 
+def _gluon_dtype(dtype: torch.dtype):
+    """The Gluon element type of a torch dtype the kernel's descriptors take."""
+    from triton.experimental.gluon import language as gl
+
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
+            torch.float8_e5m2: gl.float8e5}[dtype]
+
+
 def _descriptor(t: torch.Tensor, rows_dim: int, cols_dims: tuple[int, ...], box: list[int], swizzle=None):
     """A TMA descriptor over ``t`` seen as a 2-D matrix (:func:`_tma_2d`), copying ``box`` at a time into
     the shared layout of that box (or one of ``swizzle`` bytes)."""
@@ -107,12 +120,18 @@ def _descriptor(t: torch.Tensor, rows_dim: int, cols_dims: tuple[int, ...], box:
 
     rows, row_stride = _tma_2d(t, rows_dim, cols_dims)
     cols = math.prod(t.shape[d] for d in cols_dims)
-    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    dtype = _gluon_dtype(t.dtype)
     if swizzle is None:
         layout = gl.NVMMASharedLayout.get_default_for(box, dtype)
     else:
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=16, rank=2)
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=8 * t.element_size(), rank=2)
     return TensorDescriptor(t, [rows, cols], [row_stride, 1], box, layout)
+
+
+def _fp8_views(c) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 cache's key and value bytes seen as the FP8 type they hold."""
+    fp8 = c.dtype.torch_dtype
+    return c.key.view(fp8), c.value.view(fp8)
 
 
 def call_tensors(p: PrefillProblem, config: TileConfig) -> tuple:
@@ -126,8 +145,10 @@ def call_tensors(p: PrefillProblem, config: TileConfig) -> tuple:
         v_cache_t = _descriptor(c.value, 2, (3,), [D, box], swizzle=min(128, box * c.value.element_size()))
         k_cache = v_cache = v_cache_t
     else:
-        k_cache = _descriptor(c.key, 1, (2, 3), [box, D])
-        v_cache = _descriptor(c.value, 1, (2, 3), [box, D])
+        # FP8 caches hold bytes: described as the FP8 type they store, which the kernel widens.
+        key, value = (c.key, c.value) if not c.dtype.is_fp8 else _fp8_views(c)
+        k_cache = _descriptor(key, 1, (2, 3), [box, D])
+        v_cache = _descriptor(value, 1, (2, 3), [box, D])
         v_cache_t = v_cache
     if p.k is None:
         k_new, v_new = k_cache, v_cache  # unused: the new tokens' K/V are read from the cache
@@ -149,9 +170,12 @@ def _plain_tensors(p: PrefillProblem) -> list:
     q = p.q
     out_scale = o.fp8_out_scale
     keys = c.key if c.layout is KVLayout.SPLIT else q  # split keys are copied, not described
+    fp8 = c.dtype.is_fp8
+    k_scale = c.k_scale if fp8 and isinstance(c.k_scale, torch.Tensor) else q
+    v_scale = c.v_scale if fp8 and isinstance(c.v_scale, torch.Tensor) else q
     return [q, p.out, None, None, None, None, None, keys, b.block_table, b.query_start, b.seq_lens, b.context_lens,
             q if o.alibi_slopes is None else o.alibi_slopes, q if o.sinks is None else o.sinks,
-            out_scale if isinstance(out_scale, torch.Tensor) else q]
+            out_scale if isinstance(out_scale, torch.Tensor) else q, k_scale, v_scale]
 
 
 #: How the kernel schedules its work (constexprs of the kernel). ``HEAVY_FIRST`` runs each sequence's last
@@ -198,17 +222,22 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
     softcap = float(opts.softcap)
     qk_scale = p.sm_scale if softcap > 0 else p.sm_scale * LOG2E.value  # the kernel's logits are log2-domain
     out_scale_value, out_from_ptr = _scale_arg(opts.fp8_out_scale, True)
+    fp8 = p.cache.dtype.is_fp8
+    k_scale, k_from_ptr = _scale_arg(p.cache.k_scale, fp8)
+    v_scale, v_from_ptr = _scale_arg(p.cache.v_scale, fp8)
     table = p.batch.block_table
     split = p.cache.layout is KVLayout.SPLIT
     key = p.cache.key
     split_strides = (key.stride(0), key.stride(1), key.stride(2)) if split else (0, 0, 0)
-    scalars = (qk_scale, out_scale_value, softcap, opts.sliding_window or 0, B, T, p.cache.num_blocks,
+    scalars = (qk_scale, out_scale_value, k_scale, v_scale, softcap, opts.sliding_window or 0, B, T, p.cache.num_blocks,
                table.shape[1], group, p.q.stride(0), p.q.stride(1), p.out.stride(0), p.out.stride(1),
                table.stride(0), *split_strides, p.num_kv_heads * D)
     schedule = {**SCHEDULE, **(schedule or {})}
     # Two consumer partitions need two warpgroups' worth of rows.
     schedule["PINGPONG"] = bool(schedule["PINGPONG"]) and config.num_warps == 8
     schedule["TURNS"] = bool(schedule["TURNS"]) and schedule["PINGPONG"]
+    # FP8 tiles are widened before their MMAs: the overlapped issue order is not built for that.
+    schedule["OVERLAP"] = bool(schedule["OVERLAP"]) and not fp8
     constexprs = dict(
         HEAD_SIZE=D, PAGE=p.cache.block_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         HEADS_PER_TILE=config.heads_per_tile, HEAD_CHUNKS=triton.cdiv(group, config.heads_per_tile),
@@ -218,6 +247,7 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
         OUT_SCALE=opts.fp8_out_scale is not None, OUT_SCALE_PTR=out_from_ptr, OUT_MAX=FP8_E4M3_MAX,
         **schedule,
         SPLIT=split, X=key.shape[4] if split else 8,
+        FP8_CACHE=fp8, K_SCALE_PTR=k_from_ptr, V_SCALE_PTR=v_from_ptr,
         # The producer warp of the split layout holds a tile of 16-byte copy addresses.
         PRODUCER_REGS=96 if split and config.num_warps == 8 else 24, CONSUMER_REGS=CONSUMER_REGS,
     )
@@ -266,26 +296,28 @@ class _Arguments:
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         sources = _descriptor_sources(first)
-        self._slots = []  # (argument position, source position, shape, strides, block, layout)
+        self._slots = []  # (argument position, source position, dtype, shape, strides, block, layout)
         self._last = {}  # argument position -> (address, descriptor)
         for position, arg in enumerate(tensors):
             if isinstance(arg, TensorDescriptor):
-                source = next(i for i, t in enumerate(sources) if t is not None and t is arg.base)
-                self._slots.append((position, source, arg.shape, arg.strides, arg.block_shape, arg.layout))
+                # By address: an FP8 cache is described through a view of its bytes, a tensor of its own.
+                source = next(i for i, t in enumerate(sources)
+                              if t is not None and t.data_ptr() == arg.base.data_ptr())
+                self._slots.append((position, source, arg.base.dtype, arg.shape, arg.strides, arg.block_shape,
+                                    arg.layout))
         self._descriptor = TensorDescriptor
 
     def __call__(self, later: PrefillProblem) -> Optional[tuple]:
         """The arguments for ``later``, or None when an address lost TMA's 16-byte alignment."""
         sources = _descriptor_sources(later)
         args = _plain_tensors(later)
-        for position, source, shape, strides, block, layout in self._slots:
-            tensor = sources[source]
-            ptr = tensor.data_ptr()
+        for position, source, dtype, shape, strides, block, layout in self._slots:
+            ptr = sources[source].data_ptr()
             last = self._last.get(position)
             if last is None or last[0] != ptr:
                 if ptr % 16:
                     return None
-                last = (ptr, self._descriptor(_Address(ptr, tensor.dtype), shape, strides, block, layout))
+                last = (ptr, self._descriptor(_Address(ptr, dtype), shape, strides, block, layout))
                 self._last[position] = last
             args[position] = last[1]
         return tuple(args)
