@@ -120,6 +120,9 @@ def problems(rows: list[dict]) -> list[str]:
             out.append(f"{where}: {r['spill_bytes']} bytes of register spills")
         if r["unpipelined_loads"]:
             out.append(f"{where}: {r['unpipelined_loads']} K/V tile load(s) in key loops not pipelined")
+        if r.get("wgmma_hazards"):
+            out.append(f"{where}: {r['wgmma_hazards']} instruction(s) touch registers an in-flight warpgroup MMA "
+                       f"owns (undefined results)")
     return out
 
 

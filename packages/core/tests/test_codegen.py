@@ -36,6 +36,7 @@ def test_hopper_dots_are_warpgroup_mma_and_loads_are_pipelined(summaries):
     assert s.unpipelined_loads == 0, "a K/V tile of an unmasked key loop is loaded synchronously"
     assert s.registers is not None and 0 < s.registers <= 255 and s.spill_bytes == 0
     assert 64 * 1024 < s.shared_bytes <= 227 * 1024
+    assert s.wgmma_hazards in (0, None), "an instruction touches registers an in-flight wgmma owns"
 
 
 def test_ampere_uses_mma_sync(summaries):
@@ -66,3 +67,33 @@ def test_report_script_runs(tmp_path):
                                                           ("a100", "nhd")}
     assert all(r["dots"] == ("wgmma" if r["device"] == "h200" else "mma.sync") for r in rows)
     assert "regs" in proc.stdout.splitlines()[0]
+
+
+def test_wgmma_register_hazards_are_found_in_sass():
+    """Writing an in-flight warpgroup MMA's A registers, or touching its accumulator, before the wait that
+    retires its group is flagged; the same code after the wait is not. (Groups retire in order: after
+    ``DEPBAR.LE 1`` the first group, Q K^T into R88, is done and P V, reading P from R120-R127, still runs.)"""
+    from pagedprefill.triton.codegen import wgmma_register_hazards
+
+    head = """
+        /*0100*/                   WARPGROUP.ARRIVE ;
+        /*0110*/                   HGMMA.64x64x16.F32.BF16 R88, gdesc[UR8], RZ, !UPT, gsb0 ;
+        /*0120*/                   WARPGROUP.ARRIVE ;
+        /*0130*/                   HGMMA.64x128x16.F32.BF16 R24, R120, gdesc[UR4].tnspB, R24 ;
+        /*0140*/                   HGMMA.64x128x16.F32.BF16 R24, R124, gdesc[UR4].tnspB, R24, gsb0 ;
+        /*0150*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
+        /*0160*/                   FMUL R150, R88, UR39 ;
+    """
+    unsafe = head + """
+        /*0170*/                   FMUL R121, R89, UR39 ;
+        /*0180*/              @P0  FADD R30, R30, 1 ;
+        /*0190*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+    """
+    safe = head + """
+        /*0170*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*0180*/                   FMUL R121, R89, UR39 ;
+        /*0190*/                   FADD R30, R30, 1 ;
+    """
+    found = wgmma_register_hazards(unsafe)
+    assert len(found) == 2 and "R121" in found[0] and "R30" in found[1], found
+    assert wgmma_register_hazards(safe) == []

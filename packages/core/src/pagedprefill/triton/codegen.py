@@ -5,7 +5,8 @@ arguments exactly as a real launch would (the same specialisation of pointer ali
 and integers equal to 1) and compiles for the given compute capability; :func:`codegen_summary` reads the
 result: registers and spills (from ``ptxas``), shared memory, whether the dots became Hopper's warpgroup
 MMA (``wgmma``) or stayed ``mma.sync``, how many asynchronous copies (``cp.async``) and tensor-memory
-copies (TMA) the loops issue, and how deep the key loops are pipelined.
+copies (TMA) the loops issue, how deep the key loops are pipelined, and (from the SASS) whether any
+instruction touches registers an asynchronous warpgroup MMA still owns.
 
 This answers "will this tile be fast" questions (spills, no ``wgmma``, loads not pipelined) before any
 GPU time is spent. ``ci/codegen_report.py`` prints the report for every policy tile of the bench suite.
@@ -40,6 +41,9 @@ class CodegenSummary:
     unpipelined_loads: int
     setmaxnreg: int = 0
     warp_specialized: bool = False
+    #: Instructions touching registers an in-flight warpgroup MMA owns (:func:`wgmma_register_hazards`); None
+    #: when there is no disassembler.
+    wgmma_hazards: Optional[int] = None
 
     @property
     def dots(self) -> str:
@@ -107,6 +111,90 @@ def ptxas_usage(ptx: str, capability: int) -> tuple[Optional[int], Optional[int]
     return (int(regs.group(1)) if regs else None), (max(int(s) for s in spills) if spills else None)
 
 
+def sass(compiled) -> Optional[str]:
+    """The SASS of a compiled kernel, from the ``nvdisasm`` that ships with Triton (None when absent)."""
+    import triton
+
+    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    if not os.path.exists(exe) or "cubin" not in compiled.asm:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        done = subprocess.run([exe, "-c", path], capture_output=True, text=True)
+    return done.stdout if done.returncode == 0 else None
+
+
+_SASS_LINE = re.compile(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)\s*([^;]*);")
+_HGMMA = re.compile(r"HGMMA\.64x(\d+)x\d+")
+_REGISTER = re.compile(r"\bR(\d+)\b")
+_DEPBAR = re.compile(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)")
+#: Instructions whose first operand is not a register they write.
+_NO_DESTINATION = ("ST", "STS", "STG", "STL", "RED", "BAR", "BRA", "EXIT", "WARPGROUP", "SYNCS", "UTMA", "RET",
+                   "CALL", "MEMBAR", "FENCE", "NOP", "WARPSYNC", "BSYNC", "BSSY", "ARRIVES", "UBLKCP")
+
+
+def _written(opcode: str, operands: str) -> set:
+    """Registers an instruction writes: its first operand and, for wide results, the ones after it."""
+    if opcode.startswith(_NO_DESTINATION) or opcode.startswith("HGMMA"):
+        return set()
+    first = _REGISTER.match(operands.strip())
+    if first is None:
+        return set()
+    width = 4 if ".128" in opcode else 2 if (".64" in opcode or ".WIDE" in opcode) else 1
+    return set(range(int(first.group(1)), int(first.group(1)) + width))
+
+
+def wgmma_register_hazards(sass_text: str) -> list[str]:
+    """Instructions that touch registers an in-flight warpgroup MMA owns, before the wait that retires it.
+
+    An asynchronous ``HGMMA`` reads its A operand from registers (four per thread) and accumulates into
+    registers until a ``WARPGROUP.DEPBAR`` retires its group; writing the A registers, or reading or writing the
+    accumulator, before then is undefined. Walks the SASS in layout order (a lint: control flow is not
+    followed) and returns one line per offending instruction.
+    """
+    pending: list[tuple[set, set]] = []  # committed groups, oldest first: (A registers, accumulators)
+    group_a, group_acc = set(), set()
+    found = []
+    for line in sass_text.splitlines():
+        match = _SASS_LINE.search(line)
+        if not match:
+            continue
+        opcode, operands = match.groups()
+        hgmma = _HGMMA.match(opcode)
+        if hgmma:
+            regs = [int(r) for r in _REGISTER.findall(operands)]
+            n = int(hgmma.group(1))
+            acc0 = regs[0] if regs else None
+            if acc0 is not None:
+                group_acc |= set(range(acc0, acc0 + n // 2))
+            tokens = [t.strip() for t in operands.split(",")]
+            if len(tokens) > 1 and _REGISTER.fullmatch(tokens[1].split(".")[0]):
+                a0 = int(tokens[1][1:].split(".")[0])
+                group_a |= set(range(a0, a0 + 4))
+            if "gsb0" in operands:
+                pending.append((group_a, group_acc))
+                group_a, group_acc = set(), set()
+            continue
+        depbar = _DEPBAR.search(line)
+        if depbar:
+            keep = int(depbar.group(1), 16)
+            while len(pending) > keep:
+                pending.pop(0)
+            continue
+        if not pending:
+            continue
+        written = _written(opcode, operands)
+        read = {int(r) for r in _REGISTER.findall(operands)} - written
+        for a_regs, acc_regs in pending:
+            clash = (written & (a_regs | acc_regs)) | (read & acc_regs)
+            if clash:
+                found.append(f"{line.strip()}  <- R{min(clash)} is still owned by an in-flight HGMMA")
+                break
+    return found
+
+
 def loop_pipelining(ttgir: str) -> tuple[int, int]:
     """``(pipelined waits, 2-D tile loads left synchronous)`` inside the key loops of TTGIR.
 
@@ -134,6 +222,7 @@ def summarize(compiled, capability: int) -> CodegenSummary:
     """What a compiled kernel's PTX and TTGIR hold (see :class:`CodegenSummary`)."""
     ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
     registers, spills = ptxas_usage(ptx, capability)
+    disassembly = sass(compiled) if "wgmma.mma_async" in ptx else ""
     pipelined, unpipelined = loop_pipelining(ttgir)
     return CodegenSummary(
         capability=capability,
@@ -148,4 +237,5 @@ def summarize(compiled, capability: int) -> CodegenSummary:
         unpipelined_loads=unpipelined,
         setmaxnreg=ptx.count("setmaxnreg"),
         warp_specialized="ttg.warp_specialize" in ttgir,
+        wgmma_hazards=None if disassembly is None else len(wgmma_register_hazards(disassembly)),
     )
