@@ -44,7 +44,8 @@ def test_forced_hopper_kernel_takes_the_shapes_it_is_built_for(monkeypatch):
                     {"dtype": torch.float16}, {"block_size": 64}, {"block_size": 8},
                     {"num_kv_heads": 8}, {"layout": "split"}, {"layout": "split", "head_size": 64},
                     {"sliding_window": 7, "alibi": True, "softcap": 5.0, "sinks": True},
-                    {"kv_cache_dtype": "fp8_e4m3"}, {"kv_cache_dtype": "fp8_e5m2", "head_size": 64}):
+                    {"kv_cache_dtype": "fp8_e4m3"}, {"kv_cache_dtype": "fp8_e5m2", "head_size": 64},
+                    {"head_size": 96}, {"head_size": 96, "kv_cache_dtype": "fp8_e4m3"}):
         kernel, why = choose_kernel(shape(**changes), H200)
         assert (kernel, why) == ("hopper", f"{KERNEL_ENV}=hopper"), changes
         config = Sm80Backend().tile_config(shape(**changes), H200)
@@ -57,7 +58,8 @@ def test_forced_hopper_kernel_takes_the_shapes_it_is_built_for(monkeypatch):
     ({"kv_cache_dtype": "fp8_e4m3", "layout": "split"}, "FP8 cache in the NHD layout"),
     ({"kv_cache_dtype": "fp8_e4m3", "head_size": 256}, "head sizes up to 128"),
     ({"dtype": torch.float32}, "float32"),
-    ({"head_size": 96}, "head sizes"),
+    ({"head_size": 96, "layout": "split"}, "head size 96 (padded to 128) in the NHD layout only"),
+    ({"head_size": 80}, "head sizes"),
     ({"block_size": 4}, "block size"),
     ({"block_size": 48}, "block size"),
 ])
@@ -110,6 +112,8 @@ COMPILED = {
     "features": {"sliding_window": 20, "alibi": True, "softcap": 10.0, "sinks": True, "fp8_out_scale": 0.5},
     "vllm-options": {"kv_in_cache": True, "causal": False, "skip_decode": True},
     "fp8": {"kv_cache_dtype": "fp8_e4m3"},
+    "d96-mqa-block64": {"head_size": 96, "num_kv_heads": 1, "block_size": 64},
+    "d96-fp8-vllm-options": {"head_size": 96, "kv_cache_dtype": "fp8_e4m3", "kv_in_cache": True, "causal": False},
     "fp8-e5m2-d64-vllm-options": {"kv_cache_dtype": "fp8_e5m2", "head_size": 64, "kv_in_cache": True,
                                   "causal": False, "sliding_window": 9, "scale_as_tensor": True},
     "split": {"layout": "split"}, "split-block64": {"layout": "split", "block_size": 64},
@@ -254,7 +258,8 @@ def check_rebuilt_arguments():
 
     # An FP8 cache is described through views of its bytes as FP8: rebuilt with that type, not the bytes'.
     for changes in ({"layout": "nhd"}, {"layout": "split"},
-                    {"layout": "nhd", "kv_cache_dtype": "fp8_e4m3", "scale_as_tensor": True}):
+                    {"layout": "nhd", "kv_cache_dtype": "fp8_e4m3", "scale_as_tensor": True},
+                    {"layout": "nhd", "head_size": 96}):
         first = make_problem(SPEC.replace(**changes))
         config = hopper_config(problem_shape(first))
         arguments = _Arguments(first, call_tensors(first, config))

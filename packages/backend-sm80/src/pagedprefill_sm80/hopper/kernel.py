@@ -9,7 +9,8 @@ head) pairs, ``HEADS_PER_TILE`` heads of one KV group packed together), with the
   layout the cached keys come by 16-byte asynchronous copies instead (no TMA view fits their
   ``[D / x, block, x]`` pages) and the cached values as V^T pages (``[D, block]``) into a ring of their
   own. An FP8 cache (NHD) lands in FP8 buffers of its own, which each consumer widens to 16 bits before its
-  MMAs. Each buffer has a ``ready`` barrier (the copies have landed) and an ``empty`` barrier (the
+  MMAs. A head size that is not a power of two (96, NHD) runs on the next power of two, its boxes reading the
+  columns past the head as zeros. Each buffer has a ``ready`` barrier (the copies have landed) and an ``empty`` barrier (the
   consumers are done);
 * the **consumer** warpgroups run ``S = Q K^T`` and ``O += P V`` as warpgroup MMAs straight from shared
   memory and the online softmax in registers, never waiting for a load the producer could have issued
@@ -114,16 +115,37 @@ def _split_keys_async(split_keys, k_dst, table_row, table_width, num_blocks, kv_
 
 
 @gluon.jit
+def _copy_rows(desc, row, kv_head, col, barrier, tile, start, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+               HEAD_SIZE: gl.constexpr, PADDED: gl.constexpr):
+    """One TMA box of ``ROWS`` rows of one head into rows ``start ..`` of ``tile`` (``[BLOCK_N, HEAD_SIZE]``):
+    from the 2-D view ``[rows, heads x head size]`` at column ``col``, or (``PADDED``) from the rank-3 view at
+    ``kv_head`` (the buffer seen as ``[BLOCK_N, 1, HEAD_SIZE]`` first: a slice cannot be reshaped)."""
+    if PADDED:
+        dst3 = tile.reshape([BLOCK_N, 1, HEAD_SIZE])
+        if ROWS < BLOCK_N:
+            dst3 = dst3.slice(start, ROWS)
+        tma.async_copy_global_to_shared(desc, [row, kv_head, 0], barrier, dst3)
+    elif ROWS < BLOCK_N:
+        tma.async_copy_global_to_shared(desc, [row, col], barrier, tile.slice(start, ROWS))
+    else:
+        tma.async_copy_global_to_shared(desc, [row, col], barrier, tile)
+
+
+@gluon.jit
 def _producer(loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
               HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              SPLIT: gl.constexpr, X: gl.constexpr):
+              SPLIT: gl.constexpr, X: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Fill the ring: for each key tile, wait until its buffer is free, then issue the copies of K and V and
     let the ``ready`` barrier count their bytes (TMA) and their completion (asynchronous copies).
 
     ``loads`` are the sources (TMA descriptors, and the split layout's keys with their strides), ``ring`` the
     buffers and barriers, ``table`` the sequence's block-table row with the table's width and the cache's
     block count, ``walk`` the key tiles (:func:`_key_tiles`; the consumers' row positions are not used here).
+    A head size ``HEAD_DIM`` below the tile's width ``HEAD_SIZE`` (NHD; not a power of two) comes through rank-3
+    descriptors (``[rows, heads, head size]``), whose boxes of ``HEAD_SIZE`` columns read the columns past the
+    head as zeros.
     """
+    PADDED: gl.constexpr = HEAD_DIM < HEAD_SIZE
     k_cache, v_cache, k_new, v_new, v_cache_t, split_keys = loads
     k_smem, v_smem, vt_smem, k8_smem, v8_smem, ready, empty = ring
     table_row, table_width, num_blocks = table
@@ -132,7 +154,7 @@ def _producer(loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
     HALF_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * k_new.dtype.primitive_bitwidth // 8
     # Cached tiles in the cache's own element type (FP8 caches land in their own ring, k8_smem / v8_smem).
     CACHE_HALF_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * v_cache_t.dtype.primitive_bitwidth // 8
-    col = kv_head * HEAD_SIZE
+    col = kv_head * HEAD_DIM
     for it in range(cache_tiles + new_tiles):
         s = it % STAGES
         mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
@@ -160,15 +182,16 @@ def _producer(loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
                                                     ready.index(s), vt_smem.index(s).slice(b * BOX, BOX, dim=1))
                 else:
                     row = page * PAGE + pos % PAGE
-                    tma.async_copy_global_to_shared(k_cache, [row, col], ready.index(s),
-                                                    k8_smem.index(s).slice(b * BOX, BOX))
-                    tma.async_copy_global_to_shared(v_cache, [row, col], ready.index(s),
-                                                    v8_smem.index(s).slice(b * BOX, BOX))
+                    _copy_rows(k_cache, row, kv_head, col, ready.index(s), k8_smem.index(s), b * BOX, BOX, BLOCK_N,
+                               HEAD_SIZE, PADDED)
+                    _copy_rows(v_cache, row, kv_head, col, ready.index(s), v8_smem.index(s), b * BOX, BOX, BLOCK_N,
+                               HEAD_SIZE, PADDED)
         else:
             mbarrier.expect(ready.index(s), 2 * HALF_BYTES)
             row = seq_row0 + new_start + (it - cache_tiles) * BLOCK_N
-            tma.async_copy_global_to_shared(k_new, [row, col], ready.index(s), k_dst)
-            tma.async_copy_global_to_shared(v_new, [row, col], ready.index(s), v_smem.index(s))
+            _copy_rows(k_new, row, kv_head, col, ready.index(s), k_dst, 0, BLOCK_N, BLOCK_N, HEAD_SIZE, PADDED)
+            _copy_rows(v_new, row, kv_head, col, ready.index(s), v_smem.index(s), 0, BLOCK_N, BLOCK_N, HEAD_SIZE,
+                       PADDED)
 
 
 @gluon.jit
@@ -241,7 +264,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
               ALIBI: gl.constexpr, SINKS: gl.constexpr, NEW_KV_IN_CACHE: gl.constexpr,
               OUT_SCALE: gl.constexpr, OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr,
               SPLIT: gl.constexpr, TURNS: gl.constexpr, OVERLAP: gl.constexpr, FP8_CACHE: gl.constexpr,
-              K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr):
+              K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Consume the ring for rows ``ROW0 .. ROW0 + BLOCK_M`` of the tile (``q_smem`` holds those rows):
     scores, online softmax and ``P V`` per key tile; then normalise and store.
 
@@ -413,7 +436,10 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
     ok = gl.convert_layout(row_ok, row_o)
     o_off = (gl.expand_dims(rows.to(gl.int64) * stride_ot + heads.to(gl.int64) * stride_oh, 1)
              + gl.expand_dims(offs_d, 0))
-    gl.store(Out + o_off, out.to(Out.dtype.element_ty), mask=gl.expand_dims(ok, 1))
+    store_ok = gl.expand_dims(ok, 1)
+    if HEAD_DIM < HEAD_SIZE:  # not the columns of a padded head
+        store_ok = store_ok & gl.expand_dims(offs_d < HEAD_DIM, 0)
+    gl.store(Out + o_off, out.to(Out.dtype.element_ty), mask=store_ok)
 
 
 @gluon.jit
@@ -430,7 +456,7 @@ def hopper_prefill_kernel(
     SKIP_DECODE: gl.constexpr, NEW_KV_IN_CACHE: gl.constexpr, OUT_SCALE: gl.constexpr,
     OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr, HEAVY_FIRST: gl.constexpr,
     SPLIT: gl.constexpr, X: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr, OVERLAP: gl.constexpr,
-    FP8_CACHE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr,
+    FP8_CACHE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, HEAD_DIM: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Prefix-prefill attention of one query tile on sm90 (see the module docstring).
@@ -473,7 +499,11 @@ def hopper_prefill_kernel(
                                         num_tokens, HEADS_PER_TILE, TOKENS_PER_TILE)
     q_off = (gl.expand_dims(q_rows.to(gl.int64) * stride_qt + head.to(gl.int64) * stride_qh, 1)
              + gl.expand_dims(offs_d, 0))
-    q = gl.load(Q + q_off, mask=gl.expand_dims(row_ok, 1), other=0.0)
+    q_ok = gl.expand_dims(row_ok, 1)
+    if HEAD_DIM < HEAD_SIZE:
+        # Columns past a padded head are zeros: the keys' columns there (zeros too) add nothing to the scores.
+        q_ok = q_ok & gl.expand_dims(offs_d < HEAD_DIM, 0)
+    q = gl.load(Q + q_off, mask=q_ok, other=0.0)
 
     tok_last = gl.minimum(tok0 + TOKENS_PER_TILE, q_len) - 1
     cache_start, cache_tiles, new_start, new_tiles = _key_tiles(ctx_len, q_len, tok0, tok_last, window, BLOCK_N,
@@ -542,14 +572,14 @@ def hopper_prefill_kernel(
                          (kc_smem.index(0), vc_smem.index(0)), kv_scales,
                          HEAD_SIZE, 0, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
-                         TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR)),
+                         TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM)),
             (_consumer, (q_smem.slice(ROWS, ROWS), ring, output, rows, walk, features, (turn.index(1), turn.index(0)),
                          (kc_smem.index(CONSUMERS - 1), vc_smem.index(CONSUMERS - 1)), kv_scales,
                          HEAD_SIZE, ROWS, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
-                         TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR)),
+                         TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM)),
             (_producer, (loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
-                         HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X)),
+                         HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM)),
         ], [LAUNCH_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -557,7 +587,7 @@ def hopper_prefill_kernel(
                          (kc_smem.index(0), vc_smem.index(0)), kv_scales,
                          HEAD_SIZE, 0, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
-                         False, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR)),
+                         False, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM)),
             (_producer, (loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
-                         HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X)),
+                         HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM)),
         ], [1], [PRODUCER_REGS])

@@ -19,9 +19,12 @@ from pagedprefill.triton.blocks import LOG2E
 from pagedprefill.triton.launch import FP8_E4M3_MAX, BoundLaunch, KernelCall, _scale_arg
 from pagedprefill.types import KVLayout, PrefillProblem
 
-#: Head sizes the kernel is built for (powers of two: its register tensors need them; 256 with 64-row tiles, so
-#: that the accumulator fits the consumers' registers).
-HEAD_SIZES = (64, 128, 256)
+#: Head sizes the kernel is built for: powers of two (its register tensors need them; 256 with 64-row tiles, so
+#: that the accumulator fits the consumers' registers), and in the NHD layout the sizes of :data:`PADDED_HEADS`.
+HEAD_SIZES = (64, 96, 128, 256)
+#: Head sizes run on a tile of the next power of two (NHD): rank-3 TMA boxes read the columns past the head as
+#: zeros, the queries' too, so those columns add nothing to the scores, and they are not stored.
+PADDED_HEADS = {96: 128}
 #: TMA coordinates are 32-bit.
 MAX_ROWS = 2**31 - 1
 #: FP8 cache formats the kernel reads (NHD): widened to the input dtype exactly, scales folded.
@@ -41,6 +44,9 @@ def shape_unfit_reason(shape: ProblemShape, config: TileConfig) -> Optional[str]
                f"shared memory), not {shape.layout} with head size {shape.head_size}"
     if shape.head_size not in HEAD_SIZES:
         return f"is built for head sizes {HEAD_SIZES}, not {shape.head_size}"
+    if shape.head_size in PADDED_HEADS and shape.layout != "nhd":
+        return f"reads head size {shape.head_size} (padded to {PADDED_HEADS[shape.head_size]}) in the NHD layout " \
+               f"only, not {shape.layout}"
     if shape.layout == "split" and shape.head_size > 128:
         return f"reads the split layout for head sizes up to 128 (its value ring takes shared memory), not " \
                f"{shape.head_size}"
@@ -114,13 +120,20 @@ def _gluon_dtype(dtype: torch.dtype):
 
 def _descriptor(t: torch.Tensor, rows_dim: int, cols_dims: tuple[int, ...], box: list[int], swizzle=None):
     """A TMA descriptor over ``t`` seen as a 2-D matrix (:func:`_tma_2d`), copying ``box`` at a time into
-    the shared layout of that box (or one of ``swizzle`` bytes)."""
+    the shared layout of that box (or one of ``swizzle`` bytes). A ``box`` of three sizes ``[rows, 1, width]``
+    takes the last two of ``cols_dims`` as ``[heads, head size]`` instead (a rank-3 view, for padded heads)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     rows, row_stride = _tma_2d(t, rows_dim, cols_dims)
-    cols = math.prod(t.shape[d] for d in cols_dims)
     dtype = _gluon_dtype(t.dtype)
+    if len(box) == 3:
+        heads, head_size = t.shape[cols_dims[-2]], t.shape[cols_dims[-1]]
+        layout = gl.NVMMASharedLayout.get_default_for([box[0], box[2]], dtype)
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=layout.swizzle_byte_width,
+                                      element_bitwidth=8 * t.element_size(), rank=3)
+        return TensorDescriptor(t, [rows, heads, head_size], [row_stride, t.stride(cols_dims[-2]), 1], box, layout)
+    cols = math.prod(t.shape[d] for d in cols_dims)
     if swizzle is None:
         layout = gl.NVMMASharedLayout.get_default_for(box, dtype)
     else:
@@ -140,6 +153,11 @@ def call_tensors(p: PrefillProblem, config: TileConfig) -> tuple:
     c = p.cache
     D = p.head_size
     box = min(c.block_size, config.block_n)
+    width = PADDED_HEADS.get(D, D)
+
+    def rows_of(n: int) -> list[int]:  # a box of n rows of one head
+        return [n, width] if width == D else [n, 1, width]
+
     if c.layout is KVLayout.SPLIT:
         # [blocks, Hkv, D, block]: rows of slots; a page of one head is D consecutive rows.
         v_cache_t = _descriptor(c.value, 2, (3,), [D, box], swizzle=min(128, box * c.value.element_size()))
@@ -147,14 +165,14 @@ def call_tensors(p: PrefillProblem, config: TileConfig) -> tuple:
     else:
         # FP8 caches hold bytes: described as the FP8 type they store, which the kernel widens.
         key, value = (c.key, c.value) if not c.dtype.is_fp8 else _fp8_views(c)
-        k_cache = _descriptor(key, 1, (2, 3), [box, D])
-        v_cache = _descriptor(value, 1, (2, 3), [box, D])
+        k_cache = _descriptor(key, 1, (2, 3), rows_of(box))
+        v_cache = _descriptor(value, 1, (2, 3), rows_of(box))
         v_cache_t = v_cache
     if p.k is None:
         k_new, v_new = k_cache, v_cache  # unused: the new tokens' K/V are read from the cache
     else:
-        k_new = _descriptor(p.k, 0, (1, 2), [config.block_n, D])
-        v_new = _descriptor(p.v, 0, (1, 2), [config.block_n, D])
+        k_new = _descriptor(p.k, 0, (1, 2), rows_of(config.block_n))
+        v_new = _descriptor(p.v, 0, (1, 2), rows_of(config.block_n))
     args = _plain_tensors(p)
     args[DESCRIPTORS] = [k_cache, v_cache, k_new, v_new, v_cache_t]
     return tuple(args)
@@ -239,7 +257,8 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
     # FP8 tiles are widened before their MMAs: the overlapped issue order is not built for that.
     schedule["OVERLAP"] = bool(schedule["OVERLAP"]) and not fp8
     constexprs = dict(
-        HEAD_SIZE=D, PAGE=p.cache.block_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        HEAD_SIZE=PADDED_HEADS.get(D, D), HEAD_DIM=D, PAGE=p.cache.block_size, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
         HEADS_PER_TILE=config.heads_per_tile, HEAD_CHUNKS=triton.cdiv(group, config.heads_per_tile),
         STAGES=config.num_stages, NUM_WARPS=config.num_warps, CAUSAL=opts.causal,
         WINDOW=opts.sliding_window is not None, SOFTCAP=softcap > 0, ALIBI=opts.alibi_slopes is not None,
