@@ -285,3 +285,17 @@ def test_schedule_flags_parse_by_name():
     for bad in ("PINGPONG", "PINGPONG=yes", "PING=1"):
         with pytest.raises(ValueError, match=f"schedule: expected NAME=0 or NAME=1 .*got '{bad}'"):
             parse_schedule(bad)
+
+
+def test_auto_picks_it_only_where_it_measured_faster(monkeypatch):
+    """With the Hopper kernel the default, ``auto`` takes it for the measured (head size, cache dtype) pairs
+    only and says why not elsewhere."""
+    import pagedprefill_sm80.policy as policy
+
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    monkeypatch.setattr(policy, "HOPPER_BY_DEFAULT", True)
+    monkeypatch.setattr(policy, "HOPPER_WINS", frozenset({(128, "auto")}))
+    assert choose_kernel(shape(), H200) == ("hopper", "the Hopper kernel takes this shape and is the faster one")
+    for changes in ({"head_size": 64}, {"kv_cache_dtype": "fp8_e4m3"}):
+        kernel, why = choose_kernel(shape(**changes), H200)
+        assert kernel == "portable" and why.startswith("the Hopper kernel has not measured faster"), (changes, why)

@@ -38,9 +38,11 @@ KERNEL_CHOICES = ("auto", "hopper", "portable")
 #: the ping-pong schedule (79 of 79) and it was 1.24-1.49 x the portable kernel at head size 128
 #: (docs/performance.md, run 4), but the three suites with it as the choice were not run to the end.
 HOPPER_BY_DEFAULT = False
-#: Head sizes on which ``auto`` would pick it: where it beat the portable kernel on the H200 bench (run 3: head
-#: size 128 on both layouts; at 64 and 256 it was slower, 274 vs 316 and 313 vs 429 TFLOP/s on NHD).
-HOPPER_WINS_HEAD_SIZES = (128,)
+#: ``(head size, cache dtype)`` pairs on which ``auto`` would pick it: where it beat the portable kernel on the
+#: H200 bench. Head size 128 with a cache in the input dtype, both layouts (runs 3 and 4: 1.24-1.49 x with
+#: ping-pong); at 64 and 256 the lockstep schedule was slower (run 3: 274 vs 316 and 313 vs 429 TFLOP/s on NHD)
+#: and ping-pong has not been measured there; FP8 caches and head size 96 have not run on a GPU yet.
+HOPPER_WINS = frozenset({(128, "auto")})
 
 
 def kernel_preference() -> str:
@@ -123,10 +125,11 @@ def choose_kernel(shape: ProblemShape, device: DeviceInfo) -> tuple[str, str]:
         return "portable", f"the Hopper kernel {unfit}"
     if wanted == "hopper":
         return "hopper", f"{KERNEL_ENV}=hopper"
-    if HOPPER_BY_DEFAULT and shape.head_size in HOPPER_WINS_HEAD_SIZES:
+    if HOPPER_BY_DEFAULT and (shape.head_size, shape.kv_cache_dtype) in HOPPER_WINS:
         return "hopper", "the Hopper kernel takes this shape and is the faster one"
     if HOPPER_BY_DEFAULT:
-        return "portable", f"the portable kernel measured faster at head size {shape.head_size}"
+        return "portable", f"the Hopper kernel has not measured faster at head size {shape.head_size} with " \
+                           f"kv_cache_dtype={shape.kv_cache_dtype!r}"
     return "portable", f"the Hopper kernel runs only when asked for ({KERNEL_ENV}=hopper) until it is verified"
 
 

@@ -10,8 +10,8 @@ head) pairs, ``HEADS_PER_TILE`` heads of one KV group packed together), with the
   ``[D / x, block, x]`` pages) and the cached values as V^T pages (``[D, block]``) into a ring of their
   own. An FP8 cache (NHD) lands in FP8 buffers of its own, which each consumer widens to 16 bits before its
   MMAs. A head size that is not a power of two (96, NHD) runs on the next power of two, its boxes reading the
-  columns past the head as zeros. Each buffer has a ``ready`` barrier (the copies have landed) and an ``empty`` barrier (the
-  consumers are done);
+  columns past the head as zeros. Each buffer has a ``ready`` barrier (the copies have landed) and an
+  ``empty`` barrier (the consumers are done);
 * the **consumer** warpgroups run ``S = Q K^T`` and ``O += P V`` as warpgroup MMAs straight from shared
   memory and the online softmax in registers, never waiting for a load the producer could have issued
   earlier, and with no CTA-wide barrier in the key loop. With ``HEAVY_FIRST`` each sequence's last query
