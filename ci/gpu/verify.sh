@@ -8,8 +8,9 @@
 #   fuzz=N       N random cases against the reference on the selected backend;
 #   bench        `pagedprefill bench` on both layouts with the same-run peers, host overhead and a chart;
 #   hopper       ci/gpu/hopper_check.py: sm80's Hopper kernel against the reference on a spread of cases, and
-#                its schedule variants timed against the portable kernel (sm90 only); HOPPER_CHECK_ARGS adds
-#                arguments (e.g. "--schedule PINGPONG=1" checks that schedule's correctness);
+#                its schedule variants timed against the portable kernel (sm90 only); HOPPER_CHECK_ARGS are its
+#                arguments (default "--quick": four workloads; "" times the whole suite; "--quick --schedule
+#                OVERLAP=1" checks that schedule's correctness);
 #   hopper-schedules  the Hopper kernel's correctness under each schedule of HOPPER_SCHEDULES (separated by ';',
 #                e.g. "PINGPONG=1;PINGPONG=1,OVERLAP=1"), one process per schedule at the same time, no timing;
 #   hopper-conformance  sm80's conformance suite with the Hopper kernel forced (sm90 only), a short sweep;
@@ -65,7 +66,7 @@ for step in ${*:-core-gpu conformance fuzz=2000 bench}; do
         --commit "${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" --json "$out/bench.json" --png "$out/bench.png" \
         2>"$out/bench.log" | tee "$out/bench.txt" || rc=1 ;;
     hopper)
-      timeout "$limit" python3 ci/gpu/hopper_check.py --quick --reps 60 ${HOPPER_CHECK_ARGS:-} >"$out/hopper_check.log" 2>&1 || rc=1
+      timeout "$limit" python3 ci/gpu/hopper_check.py --reps 60 ${HOPPER_CHECK_ARGS---quick} >"$out/hopper_check.log" 2>&1 || rc=1
       sed -n '/^correctness/,$p' "$out/hopper_check.log" ;;
     hopper-schedules)
       n=0; pids=()
