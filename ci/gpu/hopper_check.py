@@ -87,6 +87,8 @@ VARIANTS = [
     ("pingpong", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
     ("pingpong-turns", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=True)),
     ("pingpong-s4", dict(num_stages=4), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
+    # The split layout's cached values copied into V^T in a 128-byte swizzle instead of 32-byte TMA page boxes.
+    ("pingpong-vt-copies", {}, dict(HEAVY_FIRST=True, PINGPONG=True, VT_COPIES=True)),
     ("pingpong-overlap", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=True)),
     ("pingpong-overlap-turns", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=True, OVERLAP=True)),
     # Twice the keys per step halves the per-tile work outside the MMAs (for head size 64 most of it).

@@ -115,6 +115,30 @@ def _split_keys_async(split_keys, k_dst, table_row, table_width, num_blocks, kv_
 
 
 @gluon.jit
+def _split_values_async(split_values, vt_dst, table_row, table_width, num_blocks, kv_head, n0,
+                        HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Copy one tile of cached values from the split layout (``[blocks, Hkv, D, PAGE]``: a page of one head is
+    ``D`` rows of ``PAGE`` slots) into ``vt_dst`` (``[D, BLOCK_N]``, V^T in the MMA's own swizzle), 16 bytes
+    of consecutive slots per asynchronous copy. ``split_values`` is ``(V_cache, rows per block, row stride)``:
+    the cache seen as ``[blocks x Hkv x D, PAGE]`` rows, as its TMA view is."""
+    V_cache, rows_per_block, stride_row = split_values
+    VEC: gl.constexpr = 8  # 16 bytes of 16-bit values; PAGE >= 16 keeps a vector inside one page
+    LANES_N: gl.constexpr = BLOCK_N // VEC
+    v_ld: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // LANES_N, LANES_N], [1, 1], [1, 0])
+    offs_d = gl.arange(0, HEAD_SIZE, gl.SliceLayout(1, v_ld))
+    offs_n = gl.arange(0, BLOCK_N, gl.SliceLayout(0, v_ld))
+    pos = n0 + offs_n
+    # Clamped columns and block numbers, as for TMA boxes: a corrupt table reads a wrong page, inside the cache.
+    cols = gl.maximum(gl.minimum(pos // PAGE, table_width - 1), 0)
+    pages = gl.load(table_row + cols)
+    pages = gl.where((pages >= 0) & (pages < num_blocks), pages, 0).to(gl.int64)
+    rows = pages * rows_per_block + kv_head.to(gl.int64) * HEAD_SIZE
+    slots = gl.max_contiguous(gl.multiple_of(pos % PAGE, VEC), VEC)  # n0 is a multiple of BLOCK_N
+    offs = (gl.expand_dims(rows, 0) + gl.expand_dims(offs_d, 1)) * aligned(stride_row, VEC) + gl.expand_dims(slots, 0)
+    async_copy.async_copy_global_to_shared(vt_dst, V_cache + offs)
+
+
+@gluon.jit
 def _copy_rows(desc, row, kv_head, col, barrier, tile, start, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_SIZE: gl.constexpr, PADDED: gl.constexpr):
     """One TMA box of ``ROWS`` rows of one head into rows ``start ..`` of ``tile`` (``[BLOCK_N, HEAD_SIZE]``):
@@ -134,7 +158,7 @@ def _copy_rows(desc, row, kv_head, col, barrier, tile, start, ROWS: gl.constexpr
 @gluon.jit
 def _producer(loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
               HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              SPLIT: gl.constexpr, X: gl.constexpr, HEAD_DIM: gl.constexpr):
+              SPLIT: gl.constexpr, X: gl.constexpr, HEAD_DIM: gl.constexpr, VT_COPIES: gl.constexpr):
     """Fill the ring: for each key tile, wait until its buffer is free, then issue the copies of K and V and
     let the ``ready`` barrier count their bytes (TMA) and their completion (asynchronous copies).
 
@@ -146,7 +170,7 @@ def _producer(loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
     head as zeros.
     """
     PADDED: gl.constexpr = HEAD_DIM < HEAD_SIZE
-    k_cache, v_cache, k_new, v_new, v_cache_t, split_keys = loads
+    k_cache, v_cache, k_new, v_new, v_cache_t, split_keys, split_values = loads
     k_smem, v_smem, vt_smem, k8_smem, v8_smem, ready, empty = ring
     table_row, table_width, num_blocks = table
     cache_start, cache_tiles, new_start, new_tiles, _, _ = walk
@@ -164,13 +188,19 @@ def _producer(loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
             if SPLIT:
                 _split_keys_async(split_keys, k_dst, table_row, table_width, num_blocks, kv_head, n0, HEAD_SIZE,
                                   PAGE, BLOCK_N, X)
+                if VT_COPIES:  # values too by 16-byte copies, into V^T in the MMA's 128-byte swizzle
+                    _split_values_async(split_values, vt_smem.index(s), table_row, table_width, num_blocks,
+                                        kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N)
                 # Arrives once this lane's copies have landed; issued before the TMA's expect, so the barrier
                 # cannot complete on the value bytes alone.
                 async_copy.mbarrier_arrive(ready.index(s))
-                mbarrier.expect(ready.index(s), CACHE_HALF_BYTES)
+                if VT_COPIES:
+                    mbarrier.arrive(ready.index(s), count=1)
+                else:
+                    mbarrier.expect(ready.index(s), CACHE_HALF_BYTES)
             else:
                 mbarrier.expect(ready.index(s), 2 * CACHE_HALF_BYTES)
-            for b in gl.static_range(BLOCK_N // BOX):
+            for b in gl.static_range(0 if SPLIT and VT_COPIES else BLOCK_N // BOX):
                 pos = n0 + b * BOX
                 # Clamped column and block number: a corrupt table reads a wrong page, never outside the cache.
                 page_col = gl.maximum(gl.minimum(pos // PAGE, table_width - 1), 0)
@@ -444,12 +474,13 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
 
 @gluon.jit
 def hopper_prefill_kernel(
-    Q, Out, k_cache, v_cache, k_new, v_new, v_cache_t, K_cache, block_table, query_start, seq_lens, ctx_lens,
+    Q, Out, k_cache, v_cache, k_new, v_new, v_cache_t, K_cache, V_cache, block_table, query_start, seq_lens,
+    ctx_lens,
     alibi_slopes, sinks, out_scale_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, out_scale, k_scale, v_scale, softcap, window, num_seqs, num_tokens, num_blocks, table_width,
     group_size,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table_seq,
-    stride_kb, stride_kh, stride_kd, v_rows_per_block,
+    stride_kb, stride_kh, stride_kd, v_rows_per_block, stride_v_row,
     HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEADS_PER_TILE: gl.constexpr, HEAD_CHUNKS: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
     CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
@@ -457,6 +488,7 @@ def hopper_prefill_kernel(
     OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr, HEAVY_FIRST: gl.constexpr,
     SPLIT: gl.constexpr, X: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr, OVERLAP: gl.constexpr,
     FP8_CACHE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, HEAD_DIM: gl.constexpr,
+    VT_COPIES: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Prefix-prefill attention of one query tile on sm90 (see the module docstring).
@@ -521,8 +553,10 @@ def hopper_prefill_kernel(
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_SIZE], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_SIZE], kv_layout)
     if SPLIT:
-        # Cached values as V^T pages: [D, BLOCK_N], each page a column block of the box's swizzle width.
-        vt_layout: gl.constexpr = v_cache_t.layout
+        if VT_COPIES:  # copied by the producer warp into the layout the MMA reads best
+            vt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_SIZE, BLOCK_N], dtype)
+        else:  # cached values as V^T pages by TMA: [D, BLOCK_N], each page a column block of the box's swizzle
+            vt_layout: gl.constexpr = v_cache_t.layout
         vt_smem = gl.allocate_shared_memory(dtype, [STAGES, HEAD_SIZE, BLOCK_N], vt_layout)
     else:
         vt_smem = v_smem
@@ -564,7 +598,8 @@ def hopper_prefill_kernel(
     walk = (cache_start, cache_tiles, new_start, new_tiles, ctx_len + tok0, full_from)
     features = (alibi_slopes, sinks, window, softcap, qk_scale)
     # (Constexprs are written out in each partition's list: a tuple variable would not keep them constexpr.)
-    loads = (k_cache, v_cache, k_new, v_new, v_cache_t, (K_cache, stride_kb, stride_kh, stride_kd))
+    loads = (k_cache, v_cache, k_new, v_new, v_cache_t, (K_cache, stride_kb, stride_kh, stride_kd),
+             (V_cache, v_rows_per_block, stride_v_row))
     table = (table_row, table_width, num_blocks)
     if PINGPONG:
         gl.warp_specialize([
@@ -579,7 +614,7 @@ def hopper_prefill_kernel(
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
                          TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM)),
             (_producer, (loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
-                         HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM)),
+                         HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES)),
         ], [LAUNCH_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -589,5 +624,5 @@ def hopper_prefill_kernel(
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
                          False, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM)),
             (_producer, (loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
-                         HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM)),
+                         HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES)),
         ], [1], [PRODUCER_REGS])

@@ -187,12 +187,14 @@ def _plain_tensors(p: PrefillProblem) -> list:
     c, o, b = p.cache, p.options, p.batch
     q = p.q
     out_scale = o.fp8_out_scale
-    keys = c.key if c.layout is KVLayout.SPLIT else q  # split keys are copied, not described
+    split = c.layout is KVLayout.SPLIT
+    keys = c.key if split else q  # split keys are copied, not described
+    values = c.value if split else q  # and split values too under VT_COPIES
     fp8 = c.dtype.is_fp8
     k_scale = c.k_scale if fp8 and isinstance(c.k_scale, torch.Tensor) else q
     v_scale = c.v_scale if fp8 and isinstance(c.v_scale, torch.Tensor) else q
-    return [q, p.out, None, None, None, None, None, keys, b.block_table, b.query_start, b.seq_lens, b.context_lens,
-            q if o.alibi_slopes is None else o.alibi_slopes, q if o.sinks is None else o.sinks,
+    return [q, p.out, None, None, None, None, None, keys, values, b.block_table, b.query_start, b.seq_lens,
+            b.context_lens, q if o.alibi_slopes is None else o.alibi_slopes, q if o.sinks is None else o.sinks,
             out_scale if isinstance(out_scale, torch.Tensor) else q, k_scale, v_scale]
 
 
@@ -200,14 +202,16 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: query tiles first. ``PINGPONG`` gives each consumer warpgroup a partition of its own (tiles of 8 warps
 #: only), so that one's softmax runs while the other's MMAs do. ``TURNS`` makes those two issue their Q K^T in
 #: alternation, and ``OVERLAP`` issues each tile's Q K^T together with the previous tile's P V (as an
-#: asynchronous MMA) so that the softmax runs under it.
+#: asynchronous MMA) so that the softmax runs under it. ``VT_COPIES`` (split layout) has the producer copy the
+#: cached values 16 bytes at a time into V^T in the MMA's 128-byte swizzle, instead of one TMA box per page,
+#: whose 32-byte swizzle (a page of 16 slots is 32 bytes wide) is what the P V MMA then reads.
 #: On the H200 (docs/performance.md, runs 3 and 4; ci/gpu/hopper_check.py, 4 bench workloads x 2 layouts):
 #: heavy-first was at least as fast as index order on every row; ping-pong was 1.00-1.21 x the lockstep loop
 #: and 1.24-1.49 x the portable kernel, the fastest schedule on every NHD row and within 1.3% of ``TURNS`` on
 #: the split rows, and passed the 29 checks of hopper_check.py and sm80's conformance suite with the kernel
 #: forced; ``TURNS`` was 3-10% slower on NHD; ``OVERLAP`` gave NaN on NHD then (P was overwritten while its
 #: P V ran; fixed since, not yet re-measured).
-SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=False)
+SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=False, VT_COPIES=False)
 #: Registers per thread of the second consumer partition under ``PINGPONG`` (the first, the kernel's default
 #: partition, keeps what the others leave).
 CONSUMER_REGS = 240
@@ -247,9 +251,10 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
     split = p.cache.layout is KVLayout.SPLIT
     key = p.cache.key
     split_strides = (key.stride(0), key.stride(1), key.stride(2)) if split else (0, 0, 0)
+    value_row_stride = p.cache.value.stride(2) if split else 0
     scalars = (qk_scale, out_scale_value, k_scale, v_scale, softcap, opts.sliding_window or 0, B, T, p.cache.num_blocks,
                table.shape[1], group, p.q.stride(0), p.q.stride(1), p.out.stride(0), p.out.stride(1),
-               table.stride(0), *split_strides, p.num_kv_heads * D)
+               table.stride(0), *split_strides, p.num_kv_heads * D, value_row_stride)
     schedule = {**SCHEDULE, **(schedule or {})}
     # Two consumer partitions need two warpgroups' worth of rows.
     schedule["PINGPONG"] = bool(schedule["PINGPONG"]) and config.num_warps == 8
