@@ -89,7 +89,19 @@ def _key_tiles(ctx_len, q_len, tok0, tok_last, window, BLOCK_N: gl.constexpr, CA
 
 
 @gluon.jit
-def _split_keys_async(split_keys, k_dst, table_row, table_width, num_blocks, kv_head, n0,
+def _pages(table, pos, PAGE: gl.constexpr):
+    """The cache blocks that hold key positions ``pos`` (a tensor or a scalar), from the sequence's block-table
+    row (``table`` is the row, the table's width and the cache's block count): columns clamped to the table and
+    block numbers outside the cache replaced by 0, so a corrupt table reads a wrong page, never outside the
+    cache."""
+    table_row, table_width, num_blocks = table
+    cols = gl.maximum(gl.minimum(pos // PAGE, table_width - 1), 0)
+    pages = gl.load(table_row + cols)
+    return gl.where((pages >= 0) & (pages < num_blocks), pages, 0)
+
+
+@gluon.jit
+def _split_keys_async(split_keys, k_dst, table, kv_head, n0,
                       HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, X: gl.constexpr):
     """Copy one tile of cached keys from the split layout ``[blocks, Hkv, D / X, PAGE, X]`` into the
     ``[BLOCK_N, D]`` tile the QK^T MMA reads, 16 bytes (one ``X`` vector) per asynchronous copy.
@@ -104,10 +116,7 @@ def _split_keys_async(split_keys, k_dst, table_row, table_width, num_blocks, kv_
     offs_n = gl.arange(0, BLOCK_N, gl.SliceLayout(1, k_ld))
     offs_d = gl.arange(0, HEAD_SIZE, gl.SliceLayout(0, k_ld))
     pos = n0 + offs_n
-    # Clamped columns and block numbers, as for TMA boxes: a corrupt table reads a wrong page, inside the cache.
-    cols = gl.maximum(gl.minimum(pos // PAGE, table_width - 1), 0)
-    pages = gl.load(table_row + cols)
-    pages = gl.where((pages >= 0) & (pages < num_blocks), pages, 0).to(gl.int64)
+    pages = _pages(table, pos, PAGE).to(gl.int64)
     row_off = pages * aligned(stride_kb, X) + kv_head.to(gl.int64) * aligned(stride_kh, X) + (pos % PAGE) * X
     col_off = (offs_d // X) * aligned(stride_kd, X) + offs_d % X
     ptrs = K_cache + gl.expand_dims(row_off, 1) + gl.expand_dims(col_off, 0)
@@ -115,7 +124,7 @@ def _split_keys_async(split_keys, k_dst, table_row, table_width, num_blocks, kv_
 
 
 @gluon.jit
-def _split_values_async(split_values, vt_dst, table_row, table_width, num_blocks, kv_head, n0,
+def _split_values_async(split_values, vt_dst, table, kv_head, n0,
                         HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
     """Copy one tile of cached values from the split layout (``[blocks, Hkv, D, PAGE]``: a page of one head is
     ``D`` rows of ``PAGE`` slots) into ``vt_dst`` (``[D, BLOCK_N]``, V^T in the MMA's own swizzle), 16 bytes
@@ -128,10 +137,7 @@ def _split_values_async(split_values, vt_dst, table_row, table_width, num_blocks
     offs_d = gl.arange(0, HEAD_SIZE, gl.SliceLayout(1, v_ld))
     offs_n = gl.arange(0, BLOCK_N, gl.SliceLayout(0, v_ld))
     pos = n0 + offs_n
-    # Clamped columns and block numbers, as for TMA boxes: a corrupt table reads a wrong page, inside the cache.
-    cols = gl.maximum(gl.minimum(pos // PAGE, table_width - 1), 0)
-    pages = gl.load(table_row + cols)
-    pages = gl.where((pages >= 0) & (pages < num_blocks), pages, 0).to(gl.int64)
+    pages = _pages(table, pos, PAGE).to(gl.int64)
     rows = pages * rows_per_block + kv_head.to(gl.int64) * HEAD_SIZE
     slots = gl.max_contiguous(gl.multiple_of(pos % PAGE, VEC), VEC)  # n0 is a multiple of BLOCK_N
     offs = (gl.expand_dims(rows, 0) + gl.expand_dims(offs_d, 1)) * aligned(stride_row, VEC) + gl.expand_dims(slots, 0)
@@ -172,7 +178,6 @@ def _producer(loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
     PADDED: gl.constexpr = HEAD_DIM < HEAD_SIZE
     k_cache, v_cache, k_new, v_new, v_cache_t, split_keys, split_values = loads
     k_smem, v_smem, vt_smem, k8_smem, v8_smem, ready, empty = ring
-    table_row, table_width, num_blocks = table
     cache_start, cache_tiles, new_start, new_tiles, _, _ = walk
     BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
     HALF_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * k_new.dtype.primitive_bitwidth // 8
@@ -186,11 +191,9 @@ def _producer(loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
         if it < cache_tiles:
             n0 = cache_start + it * BLOCK_N
             if SPLIT:
-                _split_keys_async(split_keys, k_dst, table_row, table_width, num_blocks, kv_head, n0, HEAD_SIZE,
-                                  PAGE, BLOCK_N, X)
+                _split_keys_async(split_keys, k_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, X)
                 if VT_COPIES:  # values too by 16-byte copies, into V^T in the MMA's 128-byte swizzle
-                    _split_values_async(split_values, vt_smem.index(s), table_row, table_width, num_blocks,
-                                        kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N)
+                    _split_values_async(split_values, vt_smem.index(s), table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N)
                 # Arrives once this lane's copies have landed; issued before the TMA's expect, so the barrier
                 # cannot complete on the value bytes alone.
                 async_copy.mbarrier_arrive(ready.index(s))
@@ -202,10 +205,7 @@ def _producer(loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
                 mbarrier.expect(ready.index(s), 2 * CACHE_HALF_BYTES)
             for b in gl.static_range(0 if SPLIT and VT_COPIES else BLOCK_N // BOX):
                 pos = n0 + b * BOX
-                # Clamped column and block number: a corrupt table reads a wrong page, never outside the cache.
-                page_col = gl.maximum(gl.minimum(pos // PAGE, table_width - 1), 0)
-                page = gl.load(table_row + page_col)
-                page = gl.where((page >= 0) & (page < num_blocks), page, 0)
+                page = _pages(table, pos, PAGE)
                 if SPLIT:
                     # A page's values of one head are one [D, PAGE] block: V^T, one box per page.
                     tma.async_copy_global_to_shared(v_cache_t, [page * v_rows_per_block + col, pos % PAGE],
