@@ -109,11 +109,11 @@ def timed(plan, problem, expect, f: float, reps: int) -> str:
     return f"{f / ms / 1e9:.1f} (err {err:.1e})"
 
 
-def timings(info, backend, reps: int, quick: bool, block_size: int = 0) -> list[tuple]:
+def timings(info, backend, reps: int, quick: bool, block_size: int = 0, only: tuple = ()) -> list[tuple]:
     """TFLOP/s of the portable kernel and of each Hopper variant on the same data, with each variant's largest
     error against the reference (computed once per workload). ``block_size`` replaces the workloads' own
     (16) when given: the split layout's value pages are TMA boxes one page wide, so the page size sets how wide
-    each box and its shared-memory swizzle are."""
+    each box and its shared-memory swizzle are. ``only``: the workloads whose name contains one of these."""
     from pagedprefill.backends.triton_base import problem_shape
     from pagedprefill_sm80.hopper.launch import bind_hopper
     from pagedprefill_sm80.policy import hopper_config, hopper_unfit_reason
@@ -121,6 +121,8 @@ def timings(info, backend, reps: int, quick: bool, block_size: int = 0) -> list[
     ref = get_registry().get("reference")
     rows = []
     suite = default_suite()[:4] if quick else default_suite()
+    if only:
+        suite = [wl for wl in suite if any(part in wl.name for part in only)]
     for wl, layout in [(wl, layout) for wl in suite for layout in ("nhd", "split")]:
         spec = wl.spec.replace(layout=layout, **({"block_size": block_size} if block_size else {}))
         problem = make_problem(spec, "cuda")
@@ -156,6 +158,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="four bench workloads only")
     parser.add_argument("--reps", type=int, default=100, help="do_bench budget per timing, ms")
     parser.add_argument("--no-timing", action="store_true")
+    parser.add_argument("--only", default="", metavar="NAME,...",
+                        help="time only the workloads whose name contains one of these (e.g. D64,FP8)")
     parser.add_argument("--block-size", type=int, default=0, metavar="N",
                         help="time the workloads with cache pages of N tokens instead of their own 16")
     parser.add_argument("--schedule", default="", metavar="NAME=0|1,...",
@@ -179,7 +183,8 @@ def main(argv=None) -> int:
         print("| " + " | ".join(str(c) for c in r) + " |")
     if not args.no_timing:
         print("\nTFLOP/s, same data: workload | portable | " + " | ".join(v[0] for v in VARIANTS))
-        for r in timings(info, backend, args.reps, args.quick, args.block_size):
+        only = tuple(part for part in args.only.split(",") if part)
+        for r in timings(info, backend, args.reps, args.quick, args.block_size, only):
             print("| " + " | ".join(r) + " |")
     return 0 if all(r[-1] == "ok" for r in rows) else 1
 
