@@ -4,8 +4,9 @@ Every group is a named tuple. The launcher builds it, Triton passes it to the ke
 (each field specialised on its own, as a lone argument would be: pointer alignment, divisibility by 16,
 integers equal to 1) and the kernel reads its fields by name. The compiled kernel's parameters are the
 non-constexpr fields of every group, flattened in signature order; a direct launch
-(:class:`~pagedprefill.triton.launch.BoundLaunch`) hands the groups over as they are, exactly as Triton's own
-launch does, and the driver's launcher flattens them.
+(:class:`~pagedprefill.triton.launch.BoundLaunch`) hands the groups over in that order, and the driver's
+launcher flattens them. There the tensor groups come as plain tuples of the same fields
+(:func:`~pagedprefill.triton.launch.call_tensors`): building named tuples on every call cost the host time.
 
 Three kinds of groups, in the kernel's signature order:
 
