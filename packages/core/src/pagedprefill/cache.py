@@ -64,11 +64,13 @@ def allocate_cache(
     value = torch.empty(v_shape, dtype=storage, device=device)
     if fill is not None:
         for t in (key, value):
-            _as_float_view(t, kv_dtype).fill_(fill)
+            as_stored_type(t, kv_dtype).fill_(fill)
     return PagedKVCache(key, value, layout, kv_dtype, k_scale, v_scale)
 
 
-def _as_float_view(t: torch.Tensor, kv_dtype: KVCacheDType) -> torch.Tensor:
+def as_stored_type(t: torch.Tensor, kv_dtype: KVCacheDType) -> torch.Tensor:
+    """Cache tensor ``t`` seen as the type its elements hold: FP8 bytes (``uint8``) as the FP8 type of
+    ``kv_dtype``, anything else as it is (the same memory either way)."""
     return t.view(kv_dtype.torch_dtype) if kv_dtype.is_fp8 and t.dtype == torch.uint8 else t
 
 
@@ -153,8 +155,8 @@ def gather_kv(
     bs = cache.block_size
     n_blocks = -(-length // bs)
     blocks = block_table_row[:n_blocks].to(device=cache.key.device, dtype=torch.int64)
-    k = _as_float_view(cache.key, cache.dtype)[blocks]
-    v = _as_float_view(cache.value, cache.dtype)[blocks]
+    k = as_stored_type(cache.key, cache.dtype)[blocks]
+    v = as_stored_type(cache.value, cache.dtype)[blocks]
     if cache.layout is KVLayout.SPLIT:
         nb, hkv, dx, _, x = k.shape
         k = k.permute(0, 3, 1, 2, 4).reshape(nb * bs, hkv, dx * x)

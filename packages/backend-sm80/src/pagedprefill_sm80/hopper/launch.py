@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 import triton
 from pagedprefill.accelerator import device_guard
+from pagedprefill.cache import as_stored_type
 from pagedprefill.tiling import ProblemShape, TileConfig, launch_grid
 from pagedprefill.triton.blocks import LOG2E
 from pagedprefill.triton.launch import FP8_E4M3_MAX, BoundLaunch, KernelCall, _scale_arg
@@ -141,12 +142,6 @@ def _descriptor(t: torch.Tensor, rows_dim: int, cols_dims: tuple[int, ...], box:
     return TensorDescriptor(t, [rows, cols], [row_stride, 1], box, layout)
 
 
-def _fp8_views(c) -> tuple[torch.Tensor, torch.Tensor]:
-    """The FP8 cache's key and value bytes seen as the FP8 type they hold."""
-    fp8 = c.dtype.torch_dtype
-    return c.key.view(fp8), c.value.view(fp8)
-
-
 def call_tensors(p: PrefillProblem, config: TileConfig) -> tuple:
     """The kernel's tensor arguments (TMA descriptors for K/V) in signature order; placeholders (an
     argument of the same kind that the kernel does not read) where a layout or feature does not use one."""
@@ -164,7 +159,7 @@ def call_tensors(p: PrefillProblem, config: TileConfig) -> tuple:
         k_cache = v_cache = v_cache_t
     else:
         # FP8 caches hold bytes: described as the FP8 type they store, which the kernel widens.
-        key, value = (c.key, c.value) if not c.dtype.is_fp8 else _fp8_views(c)
+        key, value = as_stored_type(c.key, c.dtype), as_stored_type(c.value, c.dtype)
         k_cache = _descriptor(key, 1, (2, 3), rows_of(box))
         v_cache = _descriptor(value, 1, (2, 3), rows_of(box))
         v_cache_t = v_cache

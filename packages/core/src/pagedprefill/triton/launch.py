@@ -24,6 +24,7 @@ import triton
 from triton import knobs
 
 from ..accelerator import device_guard
+from ..cache import as_stored_type
 from ..tiling import ProblemShape, TileConfig, launch_grid, padded_head_size, pagewise_possible, problem_shape
 from ..types import KVLayout, PrefillProblem
 from . import blocks
@@ -68,9 +69,7 @@ def _cache_addressing(problem: PrefillProblem, config: TileConfig) -> tuple[Cach
     """The cache as the kernel reads it (FP8 bytes viewed as float8: the kernel converts them), its strides,
     and its layout with the alignments (in elements) the kernel may assume for those strides."""
     c = problem.cache
-    key, value = c.key, c.value
-    if c.dtype.is_fp8 and key.dtype == torch.uint8:
-        key, value = key.view(c.dtype.torch_dtype), value.view(c.dtype.torch_dtype)
+    key, value = as_stored_type(c.key, c.dtype), as_stored_type(c.value, c.dtype)
     split = c.layout is KVLayout.SPLIT
     if split:  # [blocks, Hkv, D / x, block_size, x] and [blocks, Hkv, D, block_size]
         chunk = key.shape[4]
