@@ -91,12 +91,18 @@ def compile_call(kernel, call, capability: int = 90):
                           options=options.__dict__)
 
 
-def ptxas_usage(ptx: str, capability: int) -> tuple[Optional[int], Optional[int]]:
-    """``(registers, spill bytes)`` reported by the ``ptxas`` that ships with Triton (None when absent)."""
+def _bundled_tool(name: str) -> Optional[str]:
+    """The path of one of the NVIDIA tools that ship with Triton (``ptxas``, ``nvdisasm``), or None."""
     import triton
 
-    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(exe):
+    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    return exe if os.path.exists(exe) else None
+
+
+def ptxas_usage(ptx: str, capability: int) -> tuple[Optional[int], Optional[int]]:
+    """``(registers, spill bytes)`` reported by the ``ptxas`` that ships with Triton (None when absent)."""
+    exe = _bundled_tool("ptxas")
+    if exe is None:
         return None, None
     arch = f"sm_{capability}a" if capability >= 90 else f"sm_{capability}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -113,10 +119,8 @@ def ptxas_usage(ptx: str, capability: int) -> tuple[Optional[int], Optional[int]
 
 def sass(compiled) -> Optional[str]:
     """The SASS of a compiled kernel, from the ``nvdisasm`` that ships with Triton (None when absent)."""
-    import triton
-
-    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    if not os.path.exists(exe) or "cubin" not in compiled.asm:
+    exe = _bundled_tool("nvdisasm")
+    if exe is None or "cubin" not in compiled.asm:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
