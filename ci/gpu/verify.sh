@@ -14,7 +14,7 @@
 #   hopper-schedules  the Hopper kernel's correctness under each schedule of HOPPER_SCHEDULES (separated by ';',
 #                e.g. "PINGPONG=1;PINGPONG=1,OVERLAP=1"), one process per schedule at the same time, no timing;
 #   hopper-conformance  sm80's conformance suite with the Hopper kernel forced (sm90 only), a short sweep;
-#   guard-cost   ci/gpu/guard_cost.py: the portable kernel's memory-safety guards timed on the bench suite;
+#   guard-cost   ci/gpu/guard_cost.py: the portable and Hopper kernels' memory-safety guards timed on the bench suite;
 #   host-overhead  ci/gpu/host_overhead.py on both layouts: the host's time per call, layer by layer.
 # Usage: ci/gpu/verify.sh OUTDIR [step ...]   (default: core-gpu conformance fuzz=2000 bench)
 # STEP_TIMEOUT bounds each test step (seconds, default 600) and DEADLINE (a time in seconds since the epoch) the
@@ -91,8 +91,8 @@ for step in ${*:-core-gpu conformance fuzz=2000 bench}; do
         --pagedprefill-sweep="${SWEEP:-16}" >"$out/hopper-conformance.log" 2>&1 || rc=1
       results "$out/hopper-conformance.log" ;;
     guard-cost)
-      timeout "$limit" python3 ci/gpu/guard_cost.py --reps 60 >"$out/guard_cost.log" 2>&1 || rc=1
-      sed -n '/^workload | layout/,$p' "$out/guard_cost.log" ;;
+      timeout "$limit" python3 ci/gpu/guard_cost.py --reps 60 --rounds 5 >"$out/guard_cost.log" 2>&1 || rc=1
+      sed -n '/^kernel | workload | layout/,$p' "$out/guard_cost.log" ;;
     host-overhead)
       for layout in split nhd; do
         timeout "$limit" python3 ci/gpu/host_overhead.py "$layout" 2>&1 | tee -a "$out/host_overhead.log" || rc=1

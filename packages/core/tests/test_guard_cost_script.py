@@ -22,4 +22,4 @@ def test_unguarded_copy_builds_and_matches_on_valid_metadata():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke"], capture_output=True, text=True, timeout=600,
                           env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "| smoke | nhd | - | - | - | True |" in proc.stdout, proc.stdout
+    assert "| portable | smoke | nhd | - | - | - | True |" in proc.stdout, proc.stdout
