@@ -5,15 +5,17 @@ each cache layout, the backend that would be selected picks its tile; the kernel
 for that target and the report shows registers, spills, shared memory, whether the dots are ``wgmma``,
 the count of asynchronous copies, and whether the key loops are software-pipelined.
 
-With ``--hopper`` the H200 rows are compiled a second time with sm80's Hopper kernel forced
-(``PAGEDPREFILL_SM80_KERNEL=hopper``): rows it takes show its tile, TMA copies, warp specialisation and
-``setmaxnreg``; rows it does not take show the portable kernel again.
+On the H200 the sm80 policy runs its Hopper kernel where it takes the call and measured faster: those rows
+show its tile, TMA copies, warp specialisation and ``setmaxnreg``. ``--hopper`` compiles the H200 rows a second
+time with the Hopper kernel forced (``PAGEDPREFILL_SM80_KERNEL=hopper``: also the calls the policy keeps on the
+portable kernel), ``--portable`` with core's portable kernel forced (what other GPUs run).
 
 Usage::
 
     python ci/codegen_report.py                 # the whole suite, both devices, both layouts
     python ci/codegen_report.py --quick         # one workload per device and layout (CI)
-    python ci/codegen_report.py --hopper        # also the H200 rows on the Hopper kernel
+    python ci/codegen_report.py --hopper        # also the H200 rows on the Hopper kernel, forced
+    python ci/codegen_report.py --portable      # also the H200 rows on the portable kernel, forced
     python ci/codegen_report.py --json out.json
 
 Exit status 1 when a tile spills registers or a key loop is not pipelined on sm80+ (``--strict``).
@@ -43,24 +45,25 @@ def small_twin(spec):
 
 
 def report(quick: bool = False, devices=DEVICES, layouts=("split", "nhd"), log=print,
-           hopper: bool = False) -> list[dict]:
-    """One row per (device, workload, layout); ``hopper`` adds the H200 rows with sm80's Hopper kernel forced."""
+           forced: tuple[str, ...] = ()) -> list[dict]:
+    """One row per (device, workload, layout); each kernel named in ``forced`` (``hopper``, ``portable``) adds
+    the H200 rows with sm80's choice forced to it (their ``forced`` field names it)."""
     rows = _report(quick, devices, layouts, log)
-    if hopper and "h200" in devices:
-        previous = os.environ.get(HOPPER_ENV)
-        os.environ[HOPPER_ENV] = "hopper"
+    for kernel in forced if "h200" in devices else ():
+        previous = os.environ.get(KERNEL_ENV)
+        os.environ[KERNEL_ENV] = kernel
         try:
-            rows += _report(quick, {"h200": devices["h200"]}, layouts, log)
+            rows += [{**row, "forced": kernel} for row in _report(quick, {"h200": devices["h200"]}, layouts, log)]
         finally:
             if previous is None:
-                os.environ.pop(HOPPER_ENV, None)
+                os.environ.pop(KERNEL_ENV, None)
             else:
-                os.environ[HOPPER_ENV] = previous
+                os.environ[KERNEL_ENV] = previous
     return rows
 
 
 #: The sm80 backend's kernel choice (see pagedprefill_sm80.policy).
-HOPPER_ENV = "PAGEDPREFILL_SM80_KERNEL"
+KERNEL_ENV = "PAGEDPREFILL_SM80_KERNEL"
 
 
 def _report(quick: bool, devices, layouts, log) -> list[dict]:
@@ -132,9 +135,12 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--strict", action="store_true", help="exit 1 on spills or unpipelined key loops")
     parser.add_argument("--hopper", action="store_true", help="also the H200 rows with sm80's Hopper kernel forced")
+    parser.add_argument("--portable", action="store_true",
+                        help="also the H200 rows with core's portable kernel forced (what other GPUs run)")
     args = parser.parse_args(argv)
     print(HEADER, flush=True)
-    rows = report(quick=args.quick, log=lambda line: print(line, flush=True), hopper=args.hopper)
+    forced = tuple(kernel for kernel, wanted in (("hopper", args.hopper), ("portable", args.portable)) if wanted)
+    rows = report(quick=args.quick, log=lambda line: print(line, flush=True), forced=forced)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -13,9 +13,9 @@ Every result goes through :func:`pagedprefill.tiling.shrink_to_fit` against the 
 so sm80 (163 KiB), sm86/sm89 (99 KiB) and sm90 (227 KiB) parts all get tiles they can hold.
 
 Which kernel runs the tile (:func:`choose_kernel`): on sm90, the warp-specialised Hopper kernel
-(:mod:`pagedprefill_sm80.hopper`) for the shapes it takes, when ``PAGEDPREFILL_SM80_KERNEL=hopper`` asks
-for it (``auto``, the default, keeps the portable kernel until the Hopper kernel has passed conformance on
-the GPU and won on the bench; ``portable`` forces core's kernel everywhere). The kernel is chosen first:
+(:mod:`pagedprefill_sm80.hopper`) for the shapes it takes and was measured faster on (``auto``, the
+default: :data:`HOPPER_WINS`), or for every shape it takes when ``PAGEDPREFILL_SM80_KERNEL=hopper`` asks for
+it; ``portable`` forces core's kernel everywhere. The kernel is chosen first:
 the tables above hold the portable kernel's tiles (the ones ``pagedprefill tune`` measures), and the
 Hopper kernel runs its own tile (:func:`hopper_config`) whatever they say.
 """
@@ -33,16 +33,16 @@ from pagedprefill.tuning import load_table, lookup, table_key, user_table_path
 #: Environment variable that picks the kernel on sm90: ``auto`` (the policy's choice), ``hopper`` or ``portable``.
 KERNEL_ENV = "PAGEDPREFILL_SM80_KERNEL"
 KERNEL_CHOICES = ("auto", "hopper", "portable")
-#: Whether ``auto`` picks the Hopper kernel where it fits. Off until every conformance suite has passed on an
-#: H200 with it as the choice and the bench has run with it: on 2026-12-01 its forced suite passed there with
-#: the ping-pong schedule (79 of 79) and it was 1.24-1.49 x the portable kernel at head size 128
-#: (docs/performance.md, run 4), but the three suites with it as the choice were not run to the end.
-HOPPER_BY_DEFAULT = False
-#: ``(head size, cache dtype)`` pairs on which ``auto`` would pick it: where it beat the portable kernel on the
-#: H200 bench. Head size 128 with a cache in the input dtype, both layouts (runs 3 and 4: 1.24-1.49 x with
-#: ping-pong); at 64 and 256 the lockstep schedule was slower (run 3: 274 vs 316 and 313 vs 429 TFLOP/s on NHD)
-#: and ping-pong has not been measured there; FP8 caches and head size 96 have not run on a GPU yet.
-HOPPER_WINS = frozenset({(128, "auto")})
+#: Whether ``auto`` picks the Hopper kernel where it fits and measured faster (:data:`HOPPER_WINS`). On since
+#: 2026-12-01: on an H200 the three backends' conformance suites passed with it forced (721 passed, 0 failed),
+#: and it was faster than the portable kernel on every bench row it takes but one (docs/performance.md, run 5).
+HOPPER_BY_DEFAULT = True
+#: ``(head size, cache dtype)`` pairs on which ``auto`` picks it: where it beat the portable kernel on the H200,
+#: same data, same run (docs/performance.md, run 5, ping-pong schedule). Head size 128 with a cache in the input
+#: dtype: 1.17-1.45 x on NHD, 1.23-1.50 x on the split layout; 64: 1.03 x (NHD) and 1.15 x (split); 96: 1.44 x
+#: (NHD; it does not read the split layout); 256: 1.05 x (NHD; not split). An FP8 e4m3 cache was 0.88 x (238 vs
+#: 271 TFLOP/s), so FP8 caches stay on the portable kernel; e5m2 has not been timed.
+HOPPER_WINS = frozenset({(64, "auto"), (96, "auto"), (128, "auto"), (256, "auto")})
 
 
 def kernel_preference() -> str:
