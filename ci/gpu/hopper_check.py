@@ -1,7 +1,7 @@
 """The Hopper kernel on an sm90 GPU, in one go: correctness against the reference on a spread of cases, then
 its speed against the portable kernel on the bench suite's NHD workloads (same run, same data).
 
-Usage: python ci/gpu/hopper_check.py [--quick] [--reps MS] [--schedule PINGPONG=1,TURNS=1]
+Usage: python ci/gpu/hopper_check.py [--quick] [--reps MS] [--rounds N] [--only NAME,...] [--schedule PINGPONG=1]
 Each case prints one line; the last lines are a table. Exit status 1 when a case misses the tolerance.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -98,22 +99,42 @@ VARIANTS = [
 ]
 
 
-def timed(plan, problem, expect, f: float, reps: int) -> str:
-    """``"TFLOP/s (err E)"`` of ``plan`` on ``problem``: median time, and the largest error against ``expect``."""
-    import triton.testing
-
+def largest_error(plan, problem, expect) -> float:
+    """The largest absolute difference between ``plan``'s output on ``problem`` and the reference's."""
     check = fresh_output(problem)
     plan(check)
-    err = (check.out.float() - expect.out.float()).abs().max().item()
-    ms = triton.testing.do_bench(lambda: plan(problem), warmup=25, rep=reps, return_mode="median")
-    return f"{f / ms / 1e9:.1f} (err {err:.1e})"
+    return (check.out.float() - expect.out.float()).abs().max().item()
 
 
-def timings(info, backend, reps: int, quick: bool, block_size: int = 0, only: tuple = ()) -> list[tuple]:
+def timed_rounds(plans: list, problem, f: float, reps: int, rounds: int) -> list[str]:
+    """``"TFLOP/s"`` of each plan on ``problem``: the median over ``rounds`` rounds of each round's median time.
+    Each round times every plan once, in the opposite order to the round before, so that a drift of the
+    machine's speed during the rounds falls on every plan alike; with several rounds the slowest and fastest
+    round follow in brackets."""
+    import triton.testing
+
+    times = [[] for _ in plans]
+    for r in range(rounds):
+        order = range(len(plans)) if r % 2 == 0 else reversed(range(len(plans)))
+        for i in order:
+            times[i].append(triton.testing.do_bench(lambda p=plans[i]: p(problem), warmup=25, rep=reps,
+                                                    return_mode="median"))
+    out = []
+    for ms in times:
+        text = f"{f / statistics.median(ms) / 1e9:.1f}"
+        if rounds > 1:
+            text += f" ({f / max(ms) / 1e9:.0f}-{f / min(ms) / 1e9:.0f})"
+        out.append(text)
+    return out
+
+
+def timings(info, backend, reps: int, quick: bool, block_size: int = 0, only: tuple = (),
+            rounds: int = 1) -> list[tuple]:
     """TFLOP/s of the portable kernel and of each Hopper variant on the same data, with each variant's largest
     error against the reference (computed once per workload). ``block_size`` replaces the workloads' own
     (16) when given: the split layout's value pages are TMA boxes one page wide, so the page size sets how wide
-    each box and its shared-memory swizzle are. ``only``: the workloads whose name contains one of these."""
+    each box and its shared-memory swizzle are. ``only``: the workloads whose name contains one of these.
+    ``rounds``: alternating rounds per workload (:func:`timed_rounds`)."""
     from pagedprefill.backends.triton_base import problem_shape
     from pagedprefill_sm80.hopper.launch import bind_hopper
     from pagedprefill_sm80.policy import hopper_config, hopper_unfit_reason
@@ -123,33 +144,46 @@ def timings(info, backend, reps: int, quick: bool, block_size: int = 0, only: tu
     suite = default_suite()[:4] if quick else default_suite()
     if only:
         suite = [wl for wl in suite if any(part in wl.name for part in only)]
+        if not suite:
+            raise SystemExit(f"hopper_check: --only {','.join(only)} matches no workload of the bench suite")
     for wl, layout in [(wl, layout) for wl in suite for layout in ("nhd", "split")]:
         spec = wl.spec.replace(layout=layout, **({"block_size": block_size} if block_size else {}))
         problem = make_problem(spec, "cuda")
         expect = fresh_output(problem)
         ref.run(expect, info)
         f = flops(spec)
-        result = [f"{wl.name} {layout}"]
-        os.environ[KERNEL_ENV] = "portable"
-        try:
-            result.append(timed(backend.bind(problem, info), problem, expect, f, reps))
-        except Exception as exc:
-            result.append(f"ERROR {type(exc).__name__}: {str(exc)[:120]}")
         shape = problem_shape(problem)
         fits = backend.kernel_for(problem, info)
+        # Each column's plan (bound once: the portable one under its own kernel preference), or why there is none.
+        columns = []
+        os.environ[KERNEL_ENV] = "portable"
+        try:
+            columns.append(backend.bind(problem, info))
+        except Exception as exc:
+            columns.append(f"ERROR {type(exc).__name__}: {str(exc)[:120]}")
+        os.environ[KERNEL_ENV] = "hopper"
         for _, tile, schedule in VARIANTS:
             try:
                 if hopper_unfit_reason(shape, info) is not None:
                     raise RuntimeError(hopper_unfit_reason(shape, info))
-                config = hopper_config(shape).with_(**tile)
-                result.append(timed(bind_hopper(problem, config, shape, schedule), problem, expect, f, reps))
+                columns.append(bind_hopper(problem, hopper_config(shape).with_(**tile), shape, schedule))
             except Exception as exc:
-                result.append(f"- ({type(exc).__name__}: {str(exc)[:60]})")
+                columns.append(f"- ({type(exc).__name__}: {str(exc)[:60]})")
+        errors = {}
+        for i, plan in enumerate(columns):
+            if callable(plan):
+                try:
+                    errors[i] = largest_error(plan, problem, expect)
+                except Exception as exc:
+                    columns[i] = f"- ({type(exc).__name__}: {str(exc)[:60]})"
+        runnable = [i for i, plan in enumerate(columns) if callable(plan)]
+        speeds = dict(zip(runnable, timed_rounds([columns[i] for i in runnable], problem, f, reps, rounds)))
+        result = [f"{wl.name} {layout}"] + [
+            f"{speeds[i]} (err {errors[i]:.1e})" if i in speeds else columns[i] for i in range(len(columns))]
         print(" | ".join(result) + f" | policy kernel: {fits}", flush=True)
         rows.append(tuple(result))
-        del problem, expect
+        del problem, expect, columns
         torch.cuda.empty_cache()
-    os.environ[KERNEL_ENV] = "hopper"
     return rows
 
 
@@ -157,6 +191,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="four bench workloads only")
     parser.add_argument("--reps", type=int, default=100, help="do_bench budget per timing, ms")
+    parser.add_argument("--rounds", type=int, default=1, metavar="N",
+                        help="time each workload's variants in N alternating rounds and report the median with "
+                             "the range (one timing separates only differences of about 10%%: docs/performance.md, "
+                             "run 5)")
     parser.add_argument("--no-timing", action="store_true")
     parser.add_argument("--only", default="", metavar="NAME,...",
                         help="time only the workloads whose name contains one of these (e.g. D64,FP8)")
@@ -184,7 +222,7 @@ def main(argv=None) -> int:
     if not args.no_timing:
         print("\nTFLOP/s, same data: workload | portable | " + " | ".join(v[0] for v in VARIANTS))
         only = tuple(part for part in args.only.split(",") if part)
-        for r in timings(info, backend, args.reps, args.quick, args.block_size, only):
+        for r in timings(info, backend, args.reps, args.quick, args.block_size, only, args.rounds):
             print("| " + " | ".join(r) + " |")
     return 0 if all(r[-1] == "ok" for r in rows) else 1
 

@@ -23,8 +23,12 @@ n=0
 pids=()
 for list in "$@"; do
   n=$(( n + 1 ))
-  vars=${list%%--*}
-  steps=${list#*--}
+  # Split at the first " -- " only: variable values may hold "--" themselves (HOPPER_CHECK_ARGS=--only=D64).
+  case "$list" in
+    "-- "*) vars=""; steps=${list#-- } ;;
+    *" -- "*) vars=${list%% -- *}; steps=${list#* -- } ;;
+    *) echo "list $n: expected \"[VAR=value ...] -- STEP ...\", got \"$list\""; exit 2 ;;
+  esac
   # shellcheck disable=SC2086  # the variables and steps are word lists
   env $vars bash "$(dirname "$0")/verify.sh" "$out/list$n" $steps >"$out/list$n.txt" 2>&1 &
   pids+=($!)
