@@ -309,14 +309,16 @@ def round_to_fp8_e4m3(x, FP8_MAX: tl.constexpr):
 
 @triton.jit
 def split_range(start, end, full_lo, full_hi, BLOCK_N: tl.constexpr):
-    """Split the tile loop ``[start, end)`` (``start`` aligned to ``BLOCK_N``) around its mask-free middle.
+    """Split the tile loop ``[start, end)`` (``start >= 0``, aligned to ``BLOCK_N``) around its mask-free middle.
 
     ``full_lo``/``full_hi`` bound the keys every row sees without masking; they are rounded inwards to tile
     boundaries. Returns ``(free_start, free_end)``: tiles in ``[start, free_start)`` and ``[free_end, end)``
-    need masks, ``[free_start, free_end)`` do not.
+    need masks, ``[free_start, free_end)`` do not. Both lie in ``[start, max(start, end)]`` whatever the
+    bounds are: every difference below is taken between values already clamped into that range, so corrupt
+    lengths near 2**31 cannot wrap a bound negative and start a loop at a negative key.
     """
-    lo = start + tl.cdiv(tl.maximum(full_lo - start, 0), BLOCK_N) * BLOCK_N
-    hi = start + (tl.maximum(tl.minimum(full_hi, end) - start, 0) // BLOCK_N) * BLOCK_N
-    free_start = tl.minimum(lo, hi)
-    free_end = tl.maximum(free_start, hi)
-    return free_start, free_end
+    end = tl.maximum(end, start)
+    top = tl.minimum(tl.maximum(full_hi, start), end)
+    hi = start + ((top - start) // BLOCK_N) * BLOCK_N
+    lo = start + tl.cdiv(tl.minimum(tl.maximum(full_lo, start) - start, hi - start), BLOCK_N) * BLOCK_N
+    return lo, hi
