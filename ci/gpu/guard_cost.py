@@ -2,8 +2,9 @@
 copy of it whose guards are taken out, on the same data with the same tiles.
 
 The guards are what keeps inconsistent metadata inside the caller's tensors (docs/reliability.md, "Memory
-safety with unvalidated metadata"): block-table columns clamped below at 0, block numbers outside the cache
-replaced by block 0, and query and new-token rows outside ``q``/``k``/``v`` masked. The clamp of a column to the
+safety with unvalidated metadata"): block-table columns clamped below at 0; block numbers clamped into the
+cache (the Hopper kernel replaces those outside it by block 0); query rows outside ``q`` masked; new-token
+keys bounded by one count per sequence, cut at the tensors' end. The clamp of a column to the
 table's last one stays in the copies: both kernels read a sequence's pages one tile ahead, also past its last
 tile, so valid metadata needs it to stay inside the table. On valid metadata the guards change nothing, which
 this script also checks (the two kernels' outputs must be bit-identical). The unguarded copies live only in
@@ -36,9 +37,10 @@ from pathlib import Path
 GUARDS = [
     ("blocks", r"tl\.maximum\(tl\.minimum\((?P<col>.+?), table_width - 1\), 0\)",
      r"tl.minimum(\g<col>, table_width - 1)", 3),
-    ("blocks", r"tl\.where\(\((?P<v>\w+) >= 0\) & \((?P=v) < num_blocks\), (?P=v), 0\)", r"\g<v>", 3),
+    ("blocks", r"tl\.minimum\(tl\.maximum\((?P<v>\w+), 0\), last_block\)", r"\g<v>", 3),
     ("blocks", r"\n\s*row_ok = row_ok & \(q_rows >= 0\) & \(q_rows < num_tokens\)", "", 1),
-    ("kernel", r" & \(rows >= 0\) & \(rows < (?:\w+\.)?num_tokens\)", "", 1),
+    ("kernel", r"in_bounds_len = tl\.maximum\(tl\.minimum\(q_len, in_tensors\), 0\)", "in_bounds_len = q_len", 1),
+    ("kernel", r"\n\s*row_ok = row_ok & \(seq_row0 >= 0\)", "", 1),
 ]
 #: The Hopper kernel's own guards, in backend-sm80's ``hopper/kernel.py`` (its block-table lookup).
 HOPPER_GUARDS = [

@@ -124,29 +124,32 @@ def tile_pages(paged, n0, BLOCK_N: tl.constexpr, LAYOUT: tl.constexpr):
     ``paged`` is the kernel's view of the cache (its table row, width, block count and page size).
     ``LAYOUT.PAGEWISE`` (the block size, ``LAYOUT.PAGE_SIZE``, divides ``BLOCK_N`` or is a multiple of it)
     reads one table entry per page and broadcasts it to the page's keys; otherwise one entry is read per key,
-    which serves any block size. Out-of-range table columns and block numbers are clamped: the keys they
-    address are masked by the caller or belong to invalid metadata, and are never read out of bounds. Pages
-    are read one tile ahead, also past the last tile, so a table without columns is not read at all.
+    which serves any block size. Out-of-range table columns and block numbers are clamped to the nearest valid
+    one: the keys they address are masked by the caller or belong to invalid metadata, and are never read out
+    of bounds. Pages are read one tile ahead, also past the last tile, so a table without columns is not read
+    at all. Block numbers are clamped with a minimum and a maximum in the table's own type (int32 for vLLM's)
+    and widened after: in every key tile that costs a few instructions, where a range check and a select
+    cost about 25 (sm90 SASS, head size 64).
     """
-    table_width, num_blocks = paged.table_width, paged.num_blocks
+    table_width, last_block = paged.table_width, tl.maximum(paged.num_blocks - 1, 0)
     has_cols = table_width > 0
     if not LAYOUT.PAGEWISE:
         pos = n0 + tl.arange(0, BLOCK_N)
         cols = tl.maximum(tl.minimum(pos // paged.page_size, table_width - 1), 0)
-        pages = tl.load(paged.table_row + cols * paged.table_col_stride, mask=has_cols, other=0).to(tl.int64)
-        pages = tl.where((pages >= 0) & (pages < num_blocks), pages, 0)
+        pages = tl.load(paged.table_row + cols * paged.table_col_stride, mask=has_cols, other=0)
+        pages = tl.minimum(tl.maximum(pages, 0), last_block).to(tl.int64)
     elif LAYOUT.PAGE_SIZE >= BLOCK_N:
         PAGE_SIZE: tl.constexpr = LAYOUT.PAGE_SIZE
         col = tl.maximum(tl.minimum(n0 // PAGE_SIZE, table_width - 1), 0)
-        page = tl.load(paged.table_row + col * paged.table_col_stride, mask=has_cols, other=0).to(tl.int64)
-        page = tl.where((page >= 0) & (page < num_blocks), page, 0)
+        page = tl.load(paged.table_row + col * paged.table_col_stride, mask=has_cols, other=0)
+        page = tl.minimum(tl.maximum(page, 0), last_block).to(tl.int64)
         pages = tl.full([BLOCK_N], 0, tl.int64) + page
     else:
         PAGE_SIZE: tl.constexpr = LAYOUT.PAGE_SIZE
         PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
         cols = tl.maximum(tl.minimum(n0 // PAGE_SIZE + tl.arange(0, PAGES), table_width - 1), 0)
-        per_page = tl.load(paged.table_row + cols * paged.table_col_stride, mask=has_cols, other=0).to(tl.int64)
-        per_page = tl.where((per_page >= 0) & (per_page < num_blocks), per_page, 0)
+        per_page = tl.load(paged.table_row + cols * paged.table_col_stride, mask=has_cols, other=0)
+        per_page = tl.minimum(tl.maximum(per_page, 0), last_block).to(tl.int64)
         pages = tl.reshape(tl.broadcast_to(per_page[:, None], [PAGES, PAGE_SIZE]), [BLOCK_N])
         # The reshape hides that each page's keys share one block; the split layout's value loads need to
         # know it to stay vectorised along the slots.
@@ -306,14 +309,16 @@ def round_to_fp8_e4m3(x, FP8_MAX: tl.constexpr):
 
 @triton.jit
 def split_range(start, end, full_lo, full_hi, BLOCK_N: tl.constexpr):
-    """Split the tile loop ``[start, end)`` (``start`` aligned to ``BLOCK_N``) around its mask-free middle.
+    """Split the tile loop ``[start, end)`` (``start >= 0``, aligned to ``BLOCK_N``) around its mask-free middle.
 
     ``full_lo``/``full_hi`` bound the keys every row sees without masking; they are rounded inwards to tile
     boundaries. Returns ``(free_start, free_end)``: tiles in ``[start, free_start)`` and ``[free_end, end)``
-    need masks, ``[free_start, free_end)`` do not.
+    need masks, ``[free_start, free_end)`` do not. Both lie in ``[start, max(start, end)]`` whatever the
+    bounds are: every difference below is taken between values already clamped into that range, so corrupt
+    lengths near 2**31 cannot wrap a bound negative and start a loop at a negative key.
     """
-    lo = start + tl.cdiv(tl.maximum(full_lo - start, 0), BLOCK_N) * BLOCK_N
-    hi = start + (tl.maximum(tl.minimum(full_hi, end) - start, 0) // BLOCK_N) * BLOCK_N
-    free_start = tl.minimum(lo, hi)
-    free_end = tl.maximum(free_start, hi)
-    return free_start, free_end
+    end = tl.maximum(end, start)
+    top = tl.minimum(tl.maximum(full_hi, start), end)
+    hi = start + ((top - start) // BLOCK_N) * BLOCK_N
+    lo = start + tl.cdiv(tl.minimum(tl.maximum(full_lo, start) - start, hi - start), BLOCK_N) * BLOCK_N
+    return lo, hi

@@ -46,9 +46,9 @@ Scoring = namedtuple("Scoring", ["qk_scale", "softcap", "window"])
 #: page-wise) and the aligned strides.
 PagedCache = namedtuple("PagedCache", ["key", "value", "table_row", "table_col_stride", "table_width", "num_blocks",
                                        "page_size", "key_strides", "value_strides"])
-#: The new tokens' keys and values of one sequence: tensors, strides, the sequence's first row and lengths, and
-#: the rows the tensors hold.
-NewKV = namedtuple("NewKV", ["k", "v", "k_strides", "v_strides", "seq_row0", "ctx_len", "q_len", "num_tokens"])
+#: The new tokens' keys and values of one sequence: tensors, strides, the sequence's first row, its context
+#: length, and how many of its new tokens lie inside ``k``/``v`` (its query length, for valid metadata).
+NewKV = namedtuple("NewKV", ["k", "v", "k_strides", "v_strides", "seq_row0", "ctx_len", "in_bounds_len"])
 
 
 @triton.jit
@@ -109,7 +109,7 @@ def _new_phase(state, query, scoring, new_kv, kv_head, offs_d, d_mask, start, en
         rows = new_kv.seq_row0 + j
         k_off, v_off = new_kv_offsets(rows, kv_head, offs_d, new_kv.k_strides, new_kv.v_strides)
         pos = new_kv.ctx_len + j
-        k_valid = (j < new_kv.q_len) & (rows >= 0) & (rows < new_kv.num_tokens)
+        k_valid = j < new_kv.in_bounds_len  # and j >= 0: the caller's loop bounds are in [0, in_bounds_len]
         k = load_keys(new_kv.k + k_off, k_valid, d_mask, MASKED, EVEN_D)
         v = load_values(new_kv.v + v_off, k_valid, d_mask, MASKED, EVEN_D)
         state = _attend(state, query, k, v, pos, k_valid, scoring, MASKED, CAUSAL, TILE, FEATURES)
@@ -147,6 +147,9 @@ def prefix_prefill_kernel(
     d_mask = offs_d < HEAD_SIZE
     head, q_rows, row_ok, q_pos = tile_rows(offs_m, tok0, kv_head, chunk, extents.group_size, seq_row0, ctx_len,
                                             q_len, num_tokens, HEADS_PER_TILE, TOKENS_PER_TILE)
+    # A sequence whose first row is negative reads no new key (``in_bounds_len`` below): none of its rows is
+    # written, as a row without any key would be 0 / 0.
+    row_ok = row_ok & (seq_row0 >= 0)
 
     q_strides = token_strides.q
     q_off = q_rows.to(tl.int64)[:, None] * q_strides.token + head.to(tl.int64)[:, None] * q_strides.head \
@@ -230,19 +233,23 @@ def prefix_prefill_kernel(
     if not NEW_KV_IN_CACHE:
         # New tokens, indexed from 0 within the sequence: causally up to the tile's last token, or all.
         n_start = (tl.maximum(lo - ctx_len, 0) // BLOCK_N) * BLOCK_N
-        # Mask-free tiles must also lie inside q/k/v whatever the metadata says.
+        # Whatever the metadata says, the keys read lie inside k/v: the rows from the sequence's first one to
+        # the tensors' end (none for a negative start), and the sequence's own count at most. Every loop below
+        # starts at 0 or later and ends there, so each key index is in [0, in_bounds_len + BLOCK_N) (no int32
+        # overflow: q would not fit in memory first) and one compare per key masks the rest.
         in_tensors = tl.where(seq_row0 >= 0, num_tokens - seq_row0, 0)
+        in_bounds_len = tl.maximum(tl.minimum(q_len, in_tensors), 0)
         if CAUSAL:
-            n_end = tok_last + 1
+            n_end = tl.minimum(tl.maximum(tok_last + 1, 0), in_bounds_len)
             full_to = tl.minimum(tok0 + 1, in_tensors)
         else:
-            n_end = q_len
+            n_end = in_bounds_len
             full_to = tl.minimum(q_len, in_tensors)
         if TILE.SPLIT_MASKS:
             free_start, free_end = split_range(n_start, n_end, full_from - ctx_len, full_to, BLOCK_N)
         else:
             free_start, free_end = n_start, n_start
-        new_kv = NewKV(tokens.k, tokens.v, token_strides.k, token_strides.v, seq_row0, ctx_len, q_len, num_tokens)
+        new_kv = NewKV(tokens.k, tokens.v, token_strides.k, token_strides.v, seq_row0, ctx_len, in_bounds_len)
         scoring = Scoring(qk_scale, softcap, window)
         state = _new_phase(state, query, scoring, new_kv, kv_head, offs_d, d_mask, n_start, free_start,
                            True, EVEN_D, TILE, FEATURES)
