@@ -1,7 +1,8 @@
 """The Hopper kernel on an sm90 GPU, in one go: correctness against the reference on a spread of cases, then
 its speed against the portable kernel on the bench suite's NHD workloads (same run, same data).
 
-Usage: python ci/gpu/hopper_check.py [--quick] [--reps MS] [--rounds N] [--only NAME,...] [--schedule PINGPONG=1]
+Usage: python ci/gpu/hopper_check.py [--quick] [--reps MS] [--rounds N] [--only NAME,...] [--variants LABEL,...]
+                                    [--schedule PINGPONG=1]
 Each case prints one line; the last lines are a table. Exit status 1 when a case misses the tolerance.
 """
 
@@ -92,10 +93,13 @@ VARIANTS = [
     ("pingpong-vt-copies", {}, dict(HEAVY_FIRST=True, PINGPONG=True, VT_COPIES=True)),
     ("pingpong-overlap", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=True)),
     ("pingpong-overlap-turns", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=True, OVERLAP=True)),
-    # Twice the keys per step halves the per-tile work outside the MMAs (for head size 64 most of it).
+    # 128 keys per step in a 2-deep ring: the policy's tile for NHD and long prefills up to head size 128 since
+    # run 6; timed on the other rows too.
     ("pingpong-n128-s2", dict(block_n=128, num_stages=2), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
-    # Head size 256 on two consumer warpgroups (its policy tile has one): the same as "pingpong" below 256.
-    ("pingpong-m128", dict(block_m=128, num_warps=8), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
+    # The policy's tiles before run 6: 64 keys in a 3-deep ring up to head size 128, and head size 256 on 64 rows
+    # over one consumer warpgroup.
+    ("pingpong-n64-s3", dict(block_n=64, num_stages=3), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
+    ("pingpong-m64", dict(block_m=64, num_warps=4), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
 ]
 
 
@@ -129,12 +133,13 @@ def timed_rounds(plans: list, problem, f: float, reps: int, rounds: int) -> list
 
 
 def timings(info, backend, reps: int, quick: bool, block_size: int = 0, only: tuple = (),
-            rounds: int = 1) -> list[tuple]:
+            rounds: int = 1, variants: list = VARIANTS) -> list[tuple]:
     """TFLOP/s of the portable kernel and of each Hopper variant on the same data, with each variant's largest
     error against the reference (computed once per workload). ``block_size`` replaces the workloads' own
     (16) when given: the split layout's value pages are TMA boxes one page wide, so the page size sets how wide
     each box and its shared-memory swizzle are. ``only``: the workloads whose name contains one of these.
-    ``rounds``: alternating rounds per workload (:func:`timed_rounds`)."""
+    ``rounds``: alternating rounds per workload (:func:`timed_rounds`). ``variants``: the columns after the
+    portable kernel's (each compiles its own kernel per workload)."""
     from pagedprefill.backends.triton_base import problem_shape
     from pagedprefill_sm80.hopper.launch import bind_hopper
     from pagedprefill_sm80.policy import hopper_config, hopper_unfit_reason
@@ -162,7 +167,7 @@ def timings(info, backend, reps: int, quick: bool, block_size: int = 0, only: tu
         except Exception as exc:
             columns.append(f"ERROR {type(exc).__name__}: {str(exc)[:120]}")
         os.environ[KERNEL_ENV] = "hopper"
-        for _, tile, schedule in VARIANTS:
+        for _, tile, schedule in variants:
             try:
                 if hopper_unfit_reason(shape, info) is not None:
                     raise RuntimeError(hopper_unfit_reason(shape, info))
@@ -198,11 +203,19 @@ def main(argv=None) -> int:
     parser.add_argument("--no-timing", action="store_true")
     parser.add_argument("--only", default="", metavar="NAME,...",
                         help="time only the workloads whose name contains one of these (e.g. D64,FP8)")
+    parser.add_argument("--variants", default="", metavar="LABEL,...",
+                        help="time only these variants (labels of VARIANTS, e.g. pingpong,pingpong-n64-s3)")
     parser.add_argument("--block-size", type=int, default=0, metavar="N",
                         help="time the workloads with cache pages of N tokens instead of their own 16")
     parser.add_argument("--schedule", default="", metavar="NAME=0|1,...",
                         help="check correctness with these schedule flags of the Hopper kernel (e.g. PINGPONG=1)")
     args = parser.parse_args(argv)
+    wanted = [part for part in args.variants.split(",") if part]
+    labels = [v[0] for v in VARIANTS]
+    if set(wanted) - set(labels):
+        parser.error(f"--variants: unknown {', '.join(sorted(set(wanted) - set(labels)))}; "
+                     f"expected labels of {', '.join(labels)}")
+    variants = [v for v in VARIANTS if not wanted or v[0] in wanted]
     from pagedprefill_sm80.hopper import launch
 
     try:
@@ -220,9 +233,9 @@ def main(argv=None) -> int:
     for r in rows:
         print("| " + " | ".join(str(c) for c in r) + " |")
     if not args.no_timing:
-        print("\nTFLOP/s, same data: workload | portable | " + " | ".join(v[0] for v in VARIANTS))
+        print("\nTFLOP/s, same data: workload | portable | " + " | ".join(v[0] for v in variants))
         only = tuple(part for part in args.only.split(",") if part)
-        for r in timings(info, backend, args.reps, args.quick, args.block_size, only, args.rounds):
+        for r in timings(info, backend, args.reps, args.quick, args.block_size, only, args.rounds, variants):
             print("| " + " | ".join(r) + " |")
     return 0 if all(r[-1] == "ok" for r in rows) else 1
 

@@ -12,7 +12,9 @@ from pagedprefill.testing.fuzz import (
     FuzzResult,
     FuzzSizes,
     ProgressPrinter,
+    first_case_of_each_key,
     kernel_variant_key,
+    precompile,
     rerun_command,
     run_case,
     run_fuzz,
@@ -145,6 +147,48 @@ def test_progress_lines_keep_coming_while_a_case_runs_long():
         printer(1, FuzzResult(backend="x", device="cpu", seed=0, cases=1))
     running = [line for line in lines if "still running" in line]
     assert len(running) >= 2 and running[0].startswith("fuzz: 0/2 cases, case 0 still running")
+
+
+def test_heartbeat_names_the_activity_before_the_first_case():
+    """While the kernels compile before the run (:func:`precompile`), the heartbeat says so, not "case 0"."""
+    import time as clock
+
+    lines = []
+    with ProgressPrinter(2, lines.append, every_s=0.2) as printer:
+        printer.activity = "compiling the compile keys' kernels in 3 processes"
+        clock.sleep(0.7)
+        printer.activity = ""
+    assert any(line.startswith("fuzz: compiling the compile keys' kernels in 3 processes, ") for line in lines)
+    assert not any("still running" in line for line in lines[:2])
+
+
+def test_first_case_of_each_key_covers_the_menu_with_cases_that_launch():
+    sizes = FuzzSizes.gpu()
+    generator = FuzzGenerator(0, sizes, FEATURES)
+    first = first_case_of_each_key(0, sizes, 2000)
+    assert len(first) == sizes.keys
+    assert sorted(index % sizes.keys for index in first) == list(range(sizes.keys))
+    for index in first:
+        assert kernel_variant_key(generator.spec(index)) is not None
+        earlier = range(index % sizes.keys, index, sizes.keys)  # the key's cases before it launch nothing
+        assert all(kernel_variant_key(generator.spec(i)) is None for i in earlier)
+    assert first_case_of_each_key(0, FuzzSizes.cpu(), 100) == []  # a new key per case: nothing to warm
+
+
+def test_precompile_runs_each_key_once_in_worker_processes(pagedprefill_device):
+    """The processes run the fuzz's own command line on their share of the keys; none fails on valid cases.
+    (On a GPU they fill Triton's on-disk cache; here, in the interpreter, they only run the cases.)"""
+    if pagedprefill_device.type != "cpu" or not interpreter_enabled():
+        pytest.skip("runs the worker processes in the interpreter; the GPU fuzz runs them on the GPU")
+    import dataclasses
+
+    sizes = dataclasses.replace(FuzzSizes.cpu(), keys=3, max_heads=4)
+    result = precompile("generic", "cpu", sizes, seed=5, cases=30, workers=2, timeout_s=300,
+                        features=get_registry().get("generic").supported_features)
+    assert (result.keys, result.workers, result.failed) == (3, 2, []), result.summary()
+    assert result.seconds > 0 and "3 compile keys in 2 processes" in result.summary()
+    broken = precompile("no-such-backend", "cpu", sizes, seed=5, cases=30, workers=1, timeout_s=300)
+    assert len(broken.failed) == 1 and "exit status" in broken.failed[0], broken.summary()
 
 
 def test_gpu_fuzz_case_840_small_fp8_output_scale(pagedprefill_device):

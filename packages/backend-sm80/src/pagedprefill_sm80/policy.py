@@ -76,17 +76,24 @@ def rule_config(shape: ProblemShape, device: DeviceInfo) -> TileConfig:
 
 
 def hopper_config(shape: ProblemShape) -> TileConfig:
-    """The Hopper kernel's tile: 128 rows over two consumer warpgroups, 64 keys per step in a 3-deep ring (2 with
-    an FP8 cache), query heads of a KV group packed as in :func:`rule_config`. Head size 256 takes 64 rows over one
-    warpgroup and a 2-deep ring (its accumulator is twice as wide, its K/V tiles twice as large)."""
-    heads = min(shape.group_size, 4 if shape.workload == "short" else 2)
+    """The Hopper kernel's tile: 128 rows over two consumer warpgroups, query heads of a KV group packed as in
+    :func:`rule_config`. Keys per step and ring depth, from the H200 timings (docs/performance.md, runs 5-6):
+
+    * head size up to 128, cache in the input dtype, NHD layout or a long prefill: 128 keys per step in a 2-deep
+      ring (half the per-step work outside the MMAs: block-table reads, masks, the softmax's row reductions);
+    * other calls up to 128: 64 keys in a 3-deep ring (the split layout's short and cached rows measured no
+      faster with 128 keys), 2-deep with an FP8 cache (its widened K/V take the room of the third stage);
+    * head size 256: 64 keys in a 2-deep ring (the accumulator and K/V tiles are twice as large).
+    """
+    heads = max(1, min(shape.group_size, 4 if shape.workload == "short" else 2))
     if shape.head_size_padded > 128:
-        return TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, heads_per_tile=max(1, heads),
+        return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, heads_per_tile=heads, kernel="hopper")
+    if shape.kv_cache_dtype != "auto":
+        return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, heads_per_tile=heads, kernel="hopper")
+    if shape.layout == "nhd" or shape.workload == "long":
+        return TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=2, heads_per_tile=heads,
                           kernel="hopper")
-    # An FP8 cache adds its own ring and each consumer's widened K/V: two stages keep that within 227 KiB.
-    stages = 3 if shape.kv_cache_dtype == "auto" else 2
-    return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=stages, heads_per_tile=max(1, heads),
-                      kernel="hopper")
+    return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, heads_per_tile=heads, kernel="hopper")
 
 
 def hopper_unfit_reason(shape: ProblemShape, device: DeviceInfo) -> Optional[str]:

@@ -1,6 +1,7 @@
 """Fuzzing the selected backend against the reference on the GPU: ``--pagedprefill-fuzz`` random cases (default
 2000) drawn from a menu of ``FuzzSizes.gpu().keys`` compile keys, so the run compiles at most that many kernels
-(see :mod:`pagedprefill.testing.fuzz`).
+(see :mod:`pagedprefill.testing.fuzz`). Those kernels are compiled first, side by side in several processes
+(:func:`~pagedprefill.testing.fuzz.precompile`), and the run loads them from Triton's on-disk cache.
 
 A progress line reaches the terminal at least every 15 s without ``-s``; each failure prints at once a one-line
 command that reruns exactly that case::
@@ -10,16 +11,22 @@ command that reruns exactly that case::
 
 from __future__ import annotations
 
-from pagedprefill.testing.fuzz import FuzzSizes, ProgressPrinter, run_fuzz
+from pagedprefill.testing.fuzz import FuzzSizes, ProgressPrinter, default_compile_workers, precompile, run_fuzz
 
 
 def test_fuzz_matches_reference(gpu, gpu_backend, pagedprefill_fuzz, terminal_line):
     sizes = FuzzSizes.gpu()
     terminal_line(f"fuzz: backend={gpu_backend.name} device={gpu} cases={pagedprefill_fuzz} seed=0, "
                   f"{sizes.keys} compile keys")
+    workers = default_compile_workers()
     with ProgressPrinter(pagedprefill_fuzz, terminal_line) as printer:  # lines even during long compiles
+        printer.activity = f"compiling the compile keys' kernels in {workers} processes"
+        warm = precompile(gpu_backend.name, gpu, sizes, 0, pagedprefill_fuzz, workers,
+                          features=gpu_backend.supported_features)
+        printer.activity = ""
+        terminal_line(warm.summary())
         result = run_fuzz(gpu_backend, gpu, cases=pagedprefill_fuzz, seed=0, sizes=sizes, progress=printer)
-    terminal_line(f"{result.details()}\n{result.summary()}")
+    terminal_line(f"{result.details()}\n{result.summary()}\nwith the compiles: {warm.seconds + result.seconds:.0f} s")
     assert result.cases == pagedprefill_fuzz
     assert not result.failures, "\n".join(f.one_line() for f in result.failures[:20])
     assert result.kernel_variants <= sizes.keys

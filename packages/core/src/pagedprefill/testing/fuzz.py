@@ -34,9 +34,13 @@ Whole runs::
     TRITON_INTERPRET=1 python -m pagedprefill.testing.fuzz --backend generic --device cpu --cases 300
 
 print a progress line at least every 15 s and end with ``fuzz: N cases, F failures`` (exit status 1 when
-F > 0). Each problem is checked with ``validate_problem(problem, "full")``, run on the backend directly
-(selection bypassed, as :class:`~pagedprefill.testing.ConformanceSuite` does) and compared element by element
-with the reference computed in float32 (:func:`~pagedprefill.testing.assert_matches_reference`).
+F > 0). On a GPU the compile keys' kernels are first compiled side by side in ``--compile-workers`` processes
+(:func:`precompile`; Triton keeps what they compile in its on-disk cache), so a fresh machine spends seconds,
+not minutes, before the first case.
+
+Each problem is checked with ``validate_problem(problem, "full")``, run on the backend directly (selection
+bypassed, as :class:`~pagedprefill.testing.ConformanceSuite` does) and compared element by element with the
+reference computed in float32 (:func:`~pagedprefill.testing.assert_matches_reference`).
 
 This module does not need pytest.
 """
@@ -46,7 +50,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import random
+import subprocess
 import sys
 import threading
 import time
@@ -550,12 +556,96 @@ def run_fuzz(
     return result
 
 
+@dataclass
+class PrecompileResult:
+    """What :func:`precompile` did: the compile keys whose kernels it compiled, in how many processes and how
+    long, and the processes that failed (their cases are rerun by the fuzz itself, which reports why)."""
+
+    keys: int = 0
+    workers: int = 0
+    seconds: float = 0.0
+    failed: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        failed = f", {len(self.failed)} processes failed: {'; '.join(self.failed)}" if self.failed else ""
+        return (f"fuzz: compiled the kernels of {self.keys} compile keys in {self.workers} processes, "
+                f"{self.seconds:.0f} s{failed}")
+
+
+def first_case_of_each_key(seed: int, sizes: FuzzSizes, cases: int, features: frozenset = FEATURES) -> list[int]:
+    """For each compile key of the menu, the first of cases ``0 .. cases - 1`` that launches a kernel (empty
+    batches launch none): running these compiles every kernel the run will launch."""
+    if sizes.keys is None:
+        return []
+    generator = FuzzGenerator(seed, sizes, features)
+    first: dict[int, int] = {}
+    for index in range(cases):
+        key = index % sizes.keys
+        if key not in first and kernel_variant_key(generator.spec(index)) is not None:
+            first[key] = index
+        if len(first) == sizes.keys:
+            break
+    return sorted(first.values())
+
+
+def precompile(backend: str, device: Union[str, torch.device], sizes: FuzzSizes, seed: int, cases: int,
+               workers: int, timeout_s: float = 600.0, features: frozenset = FEATURES) -> PrecompileResult:
+    """Compile the kernels of a GPU run's compile keys in ``workers`` processes at once, before the run.
+
+    Compiling is CPU-bound and single-threaded per kernel, and a fresh machine compiles every key's kernels
+    (a few seconds each) in the run's first cases, one after the other. Each process here runs a share of
+    :func:`first_case_of_each_key` through this module's command line; Triton writes what they compile to its
+    on-disk cache, from which the run then loads it. The processes' own results are not used: the run checks
+    those cases again. Nothing happens with a new key per case (``sizes.keys`` None) or no ``workers``; on the
+    CPU (Triton's interpreter, which compiles nothing) it would only run the cases twice, so callers skip it there.
+
+    Args:
+        backend: the backend's registry name (the processes look it up again).
+        device, sizes, seed, cases: those of the run that follows.
+        workers: processes at once (each takes ``1 / workers`` of the keys).
+        timeout_s: a process still running after this long is stopped (its keys compile in the run instead).
+        features: the backend's ``supported_features``, as the run draws them.
+    """
+    device = torch.device(device)
+    indices = first_case_of_each_key(seed, sizes, cases, features)
+    workers = max(0, min(workers, len(indices)))
+    result = PrecompileResult(keys=len(indices), workers=workers)
+    if workers == 0:
+        result.keys = 0
+        return result
+    start = time.perf_counter()
+    command = [sys.executable, "-m", "pagedprefill.testing.fuzz", "--backend", backend, "--device", str(device),
+               *sizes.cli_args().split(), "--seed", str(seed), "--every", "1e9"]
+    processes = []
+    for w in range(workers):
+        share = indices[w::workers]
+        args = command + [arg for index in share for arg in ("--case", str(index))]
+        processes.append((share, subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                                  env=os.environ.copy())))
+    for share, process in processes:
+        try:
+            _, err = process.communicate(timeout=max(1.0, timeout_s - (time.perf_counter() - start)))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+            result.failed.append(f"cases {share}: stopped after {timeout_s:.0f} s")
+            continue
+        # Exit status 1 without a traceback is a mismatch, which the run reports with its reproducer.
+        text = (err or b"").decode(errors="replace")
+        if process.returncode not in (0, 1) or "Traceback" in text:
+            last = text.strip().splitlines()[-1:] or ["?"]
+            result.failed.append(f"cases {share}: exit status {process.returncode}: {last[0][:200]}")
+    result.seconds = time.perf_counter() - start
+    return result
+
+
 class ProgressPrinter:
     """A ``progress`` callback for :func:`run_fuzz`: a line at least every ``every_s`` seconds (and after the
     last case), and each failure's one-line reproducer as soon as it happens. ``write`` prints one line.
 
     Used as a context manager it also keeps the lines coming while one case takes longer than ``every_s`` (a
-    kernel compiling, say): a background thread then says which case is running and for how long.
+    kernel compiling, say): a background thread then says which case is running and for how long, or, while
+    :attr:`activity` is set (``"compiling 24 compile keys' kernels in 6 processes"``), what is going on.
     """
 
     def __init__(self, total: int, write: Callable[[str], None] = None, every_s: float = 15.0):
@@ -569,6 +659,8 @@ class ProgressPrinter:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        #: What is going on before the first case (shown by the heartbeat instead of the running case).
+        self.activity = ""
 
     def _line(self, line: str) -> None:
         with self._lock:
@@ -587,8 +679,12 @@ class ProgressPrinter:
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.every_s / 4):
             if time.perf_counter() - self._last >= self.every_s:
-                self._line(f"fuzz: {self._done}/{self.total} cases, case {self._done} still running "
-                           f"(compiling or computing), {time.perf_counter() - self._started:.0f} s")
+                elapsed = time.perf_counter() - self._started
+                if self.activity:
+                    self._line(f"fuzz: {self.activity}, {elapsed:.0f} s")
+                else:
+                    self._line(f"fuzz: {self._done}/{self.total} cases, case {self._done} still running "
+                               f"(compiling or computing), {elapsed:.0f} s")
 
     def __enter__(self) -> ProgressPrinter:
         self._started = self._last = time.perf_counter()
@@ -603,6 +699,12 @@ class ProgressPrinter:
 
 
 # -- command line ---------------------------------------------------------------------------------------------
+
+def default_compile_workers() -> int:
+    """Processes for :func:`precompile`: half the CPU cores (the run's own process and the GPU's driver threads
+    keep the rest), at most 8."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pagedprefill.testing.fuzz",
@@ -619,6 +721,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--keys", type=int, default=None,
                         help="number of compile keys the cases cycle through (gpu default 24; 0 = a new key per case)")
     parser.add_argument("--every", type=float, default=15.0, help="seconds between progress lines (default 15)")
+    parser.add_argument("--compile-workers", type=int, default=None, metavar="N",
+                        help="on a GPU, compile the compile keys' kernels in N processes before the run (default: "
+                             "half the CPU cores, at most 8; 0: compile in the run)")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -640,6 +745,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     total = len(args.case) if args.case else args.cases
     print(f"fuzz: backend={backend.name} device={device} cases={total} seed={args.seed} sizes={sizes}", flush=True)
     with ProgressPrinter(total, every_s=args.every) as printer:
+        if not args.case and device.type != "cpu":  # a reproducer runs its cases only; the CPU compiles nothing
+            workers = default_compile_workers() if args.compile_workers is None else args.compile_workers
+            printer.activity = f"compiling the compile keys' kernels in {workers} processes"
+            warm = precompile(backend.name, device, sizes, args.seed, args.cases, workers,
+                              features=backend.supported_features)
+            printer.activity = ""
+            if warm.keys:
+                print(warm.summary(), flush=True)
         result = run_fuzz(backend, device, args.cases, args.seed, sizes, progress=printer, only=args.case)
     for failure in result.failures:
         print(f"FAIL {failure.describe()}", flush=True)
