@@ -38,7 +38,8 @@ KERNEL_CHOICES = ("auto", "hopper", "portable")
 #: and it was faster than the portable kernel on every bench row it takes but one (docs/performance.md, run 5).
 HOPPER_BY_DEFAULT = True
 #: ``(head size, cache dtype)`` pairs on which ``auto`` picks it: where it beat the portable kernel on the H200,
-#: same data, same run (docs/performance.md, run 5, ping-pong schedule). Head size 128 with a cache in the input
+#: same data, same run (docs/performance.md, run 5, ping-pong schedule; run 6 with the present tiles: 1.10-1.52 x
+#: over the same pairs and layouts, 1.33 x at head size 256). Head size 128 with a cache in the input
 #: dtype: 1.17-1.45 x on NHD, 1.23-1.50 x on the split layout; 64: 1.03 x (NHD) and 1.15 x (split); 96: 1.44 x
 #: (NHD; it does not read the split layout); 256: 1.05 x (NHD; not split). An FP8 e4m3 cache was 0.88 x (238 vs
 #: 271 TFLOP/s), so FP8 caches stay on the portable kernel; e5m2 has not been timed.
