@@ -76,20 +76,80 @@ def test_user_tuned_table_takes_precedence(tmp_path, monkeypatch):
     assert sm80_policy(other, H200) != tuned  # other keys still come from the rules
 
 
-def test_tuned_table_leaves_the_hopper_kernel_its_tile(tmp_path, monkeypatch):
-    """A tuned table holds portable-kernel tiles: where the Hopper kernel runs, it keeps its own tile."""
+def _write_user_table(tmp_path, monkeypatch, entries: dict) -> None:
     monkeypatch.setenv("PAGEDPREFILL_TUNE_DIR", str(tmp_path))
-    monkeypatch.setenv(KERNEL_ENV, "hopper")
-    shape = ProblemShape(128, 32, 8, torch.bfloat16, num_tokens=4096, num_seqs=4)
-    tuned = TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2, heads_per_tile=4)
     path = user_table_path("sm80", H200)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"entries": {table_key(shape, H200): tuned.to_dict()}}))
-    forget_tables()
+    path.write_text(json.dumps({"entries": {key: cfg.to_dict() for key, cfg in entries.items()}}))
+    forget_tables()  # written behind the policy's back, as another process would
+
+
+def test_tuned_entries_count_only_for_the_kernel_they_were_measured_on(tmp_path, monkeypatch):
+    """A portable-kernel entry leaves the Hopper kernel its own tile, a Hopper entry is used where the Hopper
+    kernel runs, and ignored where the portable kernel is forced."""
+    shape = ProblemShape(128, 32, 8, torch.bfloat16, num_tokens=4096, num_seqs=4)
+    portable = TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=2, heads_per_tile=4)
+    _write_user_table(tmp_path, monkeypatch, {table_key(shape, H200): portable})
+    assert sm80_policy(shape, H200) == hopper_config(shape)
+    hopper = TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, heads_per_tile=1, kernel="hopper")
+    assert hopper != hopper_config(shape)
+    _write_user_table(tmp_path, monkeypatch, {table_key(shape, H200): hopper})
+    assert sm80_policy(shape, H200) == hopper
+    monkeypatch.setenv(KERNEL_ENV, "portable")
+    assert sm80_policy(shape, H200) == rule_config(shape, H200)
+
+
+def test_a_tuned_hopper_tile_the_kernel_cannot_take_falls_back_to_its_rule(tmp_path, monkeypatch):
+    """A table entry that does not fit (here 64 keys in 3 stages at head size 256: 257 KiB of shared memory)
+    is not handed to the kernel."""
+    shape = ProblemShape(256, 32, 8, torch.bfloat16, num_tokens=4096, num_seqs=4)
+    too_big = TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, heads_per_tile=2, kernel="hopper")
+    _write_user_table(tmp_path, monkeypatch, {table_key(shape, H200): too_big})
     assert sm80_policy(shape, H200) == hopper_config(shape)
 
 
-def test_search_space_fits_and_is_declared():
+@pytest.mark.parametrize("head_size,layout,kv", [(64, "nhd", "auto"), (128, "nhd", "auto"), (128, "split", "auto"),
+                                                 (96, "nhd", "auto"), (256, "nhd", "auto"), (128, "nhd", "fp8_e4m3")])
+@pytest.mark.parametrize("num_tokens,num_seqs", [(4096, 4), (64 * 128, 64)])
+def test_hopper_search_space_holds_tiles_the_kernel_takes(monkeypatch, head_size, layout, kv, num_tokens, num_seqs):
+    """Where the policy runs the Hopper kernel, ``pagedprefill tune`` measures Hopper tiles: the rule's first,
+    each one the kernel takes for the shape and that fits the device's shared memory, few enough to tune in
+    minutes."""
+    from pagedprefill_sm80.hopper.launch import shape_unfit_reason, shared_bytes
+
+    monkeypatch.setenv(KERNEL_ENV, "hopper")
+    shape = ProblemShape(head_size, 32, 8, torch.bfloat16, num_tokens=num_tokens, num_seqs=num_seqs, layout=layout,
+                         kv_cache_dtype=kv, block_size=16)
+    space = Sm80Backend().search_space(shape, H200)
+    assert space[0] == hopper_config(shape) and len(set(space)) == len(space)
+    assert 2 <= len(space) <= 10
+    for cfg in space:
+        assert cfg.kernel == "hopper"
+        assert shape_unfit_reason(shape, cfg, H200.max_shared_mem) is None, cfg
+        assert shared_bytes(shape, cfg) <= H200.max_shared_mem
+
+
+@pytest.mark.parametrize("head_size,layout,kv,tile,kib", [
+    (128, "nhd", "auto", (128, 128, 2), 160.2), (128, "split", "auto", (128, 128, 2), 224.3),
+    (128, "split", "auto", (128, 64, 3), 176.3), (64, "nhd", "auto", (128, 128, 2), 80.2),
+    (256, "nhd", "auto", (128, 64, 2), 192.2), (96, "nhd", "auto", (128, 128, 2), 160.2),
+    (256, "nhd", "auto", (128, 64, 3), 256.3),  # Triton's error on the H200: "Required: 262416"
+])
+def test_hopper_shared_memory_model_matches_the_compiled_kernels(head_size, layout, kv, tile, kib):
+    """:func:`shared_bytes` against what Triton allocated for sm90 (ci/codegen_report.py, run 6): an upper bound
+    within its 1 KiB allowance for the barriers."""
+    from pagedprefill_sm80.hopper.launch import shared_bytes
+
+    shape = ProblemShape(head_size, 32, 8, torch.bfloat16, num_tokens=4096, num_seqs=4, layout=layout,
+                         kv_cache_dtype=kv, block_size=16)
+    block_m, block_n, stages = tile
+    cfg = TileConfig(block_m=block_m, block_n=block_n, num_warps=8, num_stages=stages, kernel="hopper")
+    assert 0 <= shared_bytes(shape, cfg) - kib * 1024 <= 1024
+
+
+def test_search_space_fits_and_is_declared(monkeypatch):
+    """The portable kernel's search space (on H200 the Hopper kernel's is tested above)."""
+    monkeypatch.setenv(KERNEL_ENV, "portable")
     shape = ProblemShape(128, 32, 8, torch.bfloat16, num_tokens=4096, num_seqs=4)
     space = Sm80Backend().search_space(shape, L40)
     assert len(space) >= 4 and len(set(space)) == len(space)

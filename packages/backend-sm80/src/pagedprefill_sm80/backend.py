@@ -47,7 +47,7 @@ class Sm80Backend(TritonBackend):
 
         shape = problem_shape(problem)
         config = self.tile_config(shape, device)
-        if config.kernel == "hopper" and shape_unfit_reason(shape, config) is None \
+        if config.kernel == "hopper" and shape_unfit_reason(shape, config, device.max_shared_mem) is None \
                 and unfit_reason(problem, config) is None:
             return "hopper"
         return "portable"
@@ -59,6 +59,19 @@ class Sm80Backend(TritonBackend):
 
         shape = problem_shape(problem)
         launch_hopper(problem, self.tile_config(shape, device), shape)
+
+    def run_tile(self, problem: PrefillProblem, config: TileConfig, device: DeviceInfo) -> None:
+        """Run ``problem`` with the tile ``config`` on the kernel it names (for ``pagedprefill tune``); a Hopper
+        tile the kernel cannot take for this call raises ``ValueError`` with the reason."""
+        if config.kernel != "hopper":
+            return super().run_tile(problem, config, device)
+        from .hopper.launch import launch_hopper, shape_unfit_reason, unfit_reason
+
+        shape = problem_shape(problem)
+        reason = shape_unfit_reason(shape, config, device.max_shared_mem) or unfit_reason(problem, config)
+        if reason is not None:
+            raise ValueError(f"config: the Hopper kernel {reason}")
+        launch_hopper(problem, config, shape)
 
     def bind(self, problem: PrefillProblem, device: DeviceInfo):
         if self.kernel_for(problem, device) != "hopper":

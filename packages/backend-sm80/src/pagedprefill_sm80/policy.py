@@ -15,9 +15,10 @@ so sm80 (163 KiB), sm86/sm89 (99 KiB) and sm90 (227 KiB) parts all get tiles the
 Which kernel runs the tile (:func:`choose_kernel`): on sm90, the warp-specialised Hopper kernel
 (:mod:`pagedprefill_sm80.hopper`) for the shapes it takes and was measured faster on (``auto``, the
 default: :data:`HOPPER_WINS`), or for every shape it takes when ``PAGEDPREFILL_SM80_KERNEL=hopper`` asks for
-it; ``portable`` forces core's kernel everywhere. The kernel is chosen first:
-the tables above hold the portable kernel's tiles (the ones ``pagedprefill tune`` measures), and the
-Hopper kernel runs its own tile (:func:`hopper_config`) whatever they say.
+it; ``portable`` forces core's kernel everywhere. The kernel is chosen first, then its tile: a table entry
+names the kernel it was measured on (``pagedprefill tune`` measures the chosen kernel's tiles,
+:func:`search_space`), and only entries of the chosen kernel count; the Hopper kernel's rule is
+:func:`hopper_config`.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def hopper_unfit_reason(shape: ProblemShape, device: DeviceInfo) -> Optional[str
         # Gluon is experimental: its API moves between Triton releases.
         return f"is written in Gluon for Triton {GLUON_TRITON[0]}.{GLUON_TRITON[1]}, this Triton is " \
                f"{'.'.join(map(str, triton_version))}"
-    return shape_unfit_reason(shape, hopper_config(shape))
+    return shape_unfit_reason(shape, hopper_config(shape), device.max_shared_mem)
 
 
 #: The Triton release whose Gluon the Hopper kernel is written and tested against.
@@ -141,21 +142,51 @@ def choose_kernel(shape: ProblemShape, device: DeviceInfo) -> tuple[str, str]:
     return "portable", f"the Hopper kernel runs only when asked for ({KERNEL_ENV}=hopper) until it is verified"
 
 
+def tuned_config(shape: ProblemShape, device: DeviceInfo, kernel: str) -> Optional[TileConfig]:
+    """The measured tile for ``shape`` on ``kernel``: the user's table first, then the shipped one, each read for
+    entries measured on that kernel only (a table tuned before the kernel was chosen holds the other's tiles)."""
+    tables = [load_table(user_table_path("sm80", device)), shipped_table(device)]
+    return lookup(table_key(shape, device), *({k: c for k, c in t.items() if c.kernel == kernel} for t in tables))
+
+
 def sm80_policy(shape: ProblemShape, device: DeviceInfo) -> TileConfig:
     kernel, _ = choose_kernel(shape, device)
+    config = tuned_config(shape, device, kernel)
     if kernel == "hopper":
-        return shrink_to_fit(hopper_config(shape), shape, device)
-    key = table_key(shape, device)
-    config = lookup(key, load_table(user_table_path("sm80", device)), shipped_table(device))
+        from .hopper.launch import shape_unfit_reason
+
+        if config is None or shape_unfit_reason(shape, config, device.max_shared_mem) is not None:
+            config = hopper_config(shape)
+        return shrink_to_fit(config, shape, device)
     if config is None:
         config = rule_config(shape, device)
     return shrink_to_fit(config, shape, device)
 
 
+def hopper_search_space(shape: ProblemShape, device: DeviceInfo) -> list[TileConfig]:
+    """The Hopper kernel's candidates: its rule's tile first, then 64 or 128 keys per step in 2- or 3-deep rings
+    on 128 rows, with its rule's head packing and without, where the kernel takes them and they fit the
+    device's shared memory (:func:`pagedprefill_sm80.hopper.launch.shared_bytes`)."""
+    from .hopper.launch import shape_unfit_reason
+
+    rule = hopper_config(shape)
+    out = [rule]
+    for block_n, stages in ((64, 3), (128, 2), (64, 2), (128, 3)):
+        for heads in sorted({1, rule.heads_per_tile}):
+            cfg = TileConfig(block_m=128, block_n=block_n, num_warps=8, num_stages=stages, heads_per_tile=heads,
+                             kernel="hopper")
+            if cfg not in out and shape_unfit_reason(shape, cfg, device.max_shared_mem) is None:
+                out.append(cfg)
+    return out
+
+
 def search_space(shape: ProblemShape, device: DeviceInfo) -> list[TileConfig]:
-    """Candidates for ``pagedprefill tune``: the tiles that won somewhere on the H200 or that the rules pick,
-    with and without GQA packing, that fit the device. Kept small (each candidate costs a compile of a few
-    seconds), so that the default keys tune in minutes."""
+    """Candidates for ``pagedprefill tune``, on the kernel the policy chooses for ``shape`` (:func:`choose_kernel`):
+    the Hopper kernel's (:func:`hopper_search_space`), or the portable kernel's tiles that won somewhere on the
+    H200 or that the rules pick, with and without GQA packing, that fit the device. Kept small (each candidate
+    costs a compile of a few seconds), so that the default keys tune in minutes."""
+    if choose_kernel(shape, device)[0] == "hopper":
+        return hopper_search_space(shape, device)
     group = shape.group_size
     heads = sorted({1, min(group, 4 if shape.workload == "short" else 2)})
     shapes = [(128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3),

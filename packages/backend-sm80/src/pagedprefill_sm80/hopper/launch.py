@@ -20,8 +20,8 @@ from pagedprefill.triton.blocks import LOG2E
 from pagedprefill.triton.launch import FP8_E4M3_MAX, BoundLaunch, KernelCall, _scale_arg
 from pagedprefill.types import KVLayout, PrefillProblem
 
-#: Head sizes the kernel is built for: powers of two (its register tensors need them; 256 with 64-row tiles, so
-#: that the accumulator fits the consumers' registers), and in the NHD layout the sizes of :data:`PADDED_HEADS`.
+#: Head sizes the kernel is built for: powers of two (its register tensors need them), and in the NHD layout the
+#: sizes of :data:`PADDED_HEADS`.
 HEAD_SIZES = (64, 96, 128, 256)
 #: Head sizes run on a tile of the next power of two (NHD): rank-3 TMA boxes read the columns past the head as
 #: zeros, the queries' too, so those columns add nothing to the scores, and they are not stored.
@@ -32,8 +32,27 @@ MAX_ROWS = 2**31 - 1
 FP8_CACHES = ("fp8_e4m3", "fp8_e5m2")
 
 
-def shape_unfit_reason(shape: ProblemShape, config: TileConfig) -> Optional[str]:
-    """Why the Hopper kernel cannot take calls of this shape with this tile, or None when it can."""
+def shared_bytes(shape: ProblemShape, config: TileConfig) -> int:
+    """Bytes of shared memory the kernel allocates for calls of ``shape`` with ``config``: the Q tile, the K/V
+    ring, the split layout's ring of V^T pages, an FP8 cache's own ring and each consumer's widened copies, and
+    1 KiB for the barriers (they take about 0.3 KiB). Within that margin of what Triton allocated for every
+    policy tile of the bench suite (``ci/codegen_report.py``: 160.2 KiB for 128 x 128 keys in 2 stages at head
+    size 128 on NHD, 224.3 KiB on split, 192.2 KiB for head size 256 on 128 x 64 in 2 stages)."""
+    d = PADDED_HEADS.get(shape.head_size, shape.head_size)
+    tile = config.block_n * d * 2  # one K or V tile in the input's 16-bit type
+    total = config.block_m * d * 2 + config.num_stages * 2 * tile
+    if shape.layout == "split":
+        total += config.num_stages * tile
+    if shape.kv_cache_dtype != "auto":
+        consumers = 2 if SCHEDULE["PINGPONG"] else 1
+        total += config.num_stages * 2 * config.block_n * d + consumers * 2 * tile
+    return total + 1024
+
+
+def shape_unfit_reason(shape: ProblemShape, config: TileConfig, max_shared: Optional[int] = None) -> Optional[str]:
+    """Why the Hopper kernel cannot take calls of this shape with this tile, or None when it can. With
+    ``max_shared`` (the device's shared memory per block, bytes) the tile must also fit in it
+    (:func:`shared_bytes`)."""
     if shape.dtype not in (torch.float16, torch.bfloat16):
         return f"needs float16 or bfloat16 inputs, not {shape.dtype}"
     if shape.layout not in ("nhd", "split"):
@@ -59,6 +78,9 @@ def shape_unfit_reason(shape: ProblemShape, config: TileConfig) -> Optional[str]
     if config.block_m != 16 * config.num_warps:
         return f"needs block_m = 16 x num_warps (one MMA row band per warp), not {config.block_m} with " \
                f"{config.num_warps} warps"
+    if max_shared is not None and shared_bytes(shape, config) > max_shared:
+        return f"needs {shared_bytes(shape, config)} bytes of shared memory with block_n={config.block_n} and " \
+               f"num_stages={config.num_stages}, the device has {max_shared} per block"
     return None
 
 

@@ -106,6 +106,12 @@ class TritonBackend(Backend):
         shape = problem_shape(problem)
         launch_prefill(problem, self.tile_config(shape, device), shape)
 
+    def run_tile(self, problem: PrefillProblem, config: TileConfig, device: DeviceInfo) -> None:
+        """Run ``problem`` on core's kernel with the tile ``config`` (for ``pagedprefill tune``)."""
+        from ..triton.launch import launch_prefill
+
+        launch_prefill(problem, config, problem_shape(problem))
+
     def bind(self, problem: PrefillProblem, device: DeviceInfo):
         """Run ``problem`` and return a launcher of the compiled kernel for its signature (on GPUs; the
         interpreter keeps launching through Triton's JIT)."""

@@ -1,7 +1,8 @@
 """``pagedprefill tune``: measure a backend's declared tile search space on the present GPU, write a table.
 
 For each (head size, dtype, workload) key, every candidate :class:`TileConfig` from the backend's
-``search_space(shape, device)`` is first checked against the reference on a small ragged batch (a wrong
+``search_space(shape, device)`` (tiles of the kernel its policy chooses for that key; each entry names its
+kernel) is run through the backend's ``run_tile``, first checked against the reference on a small ragged batch (a wrong
 candidate is dropped, never timed), then timed (median) on a representative batch. The fastest candidate
 per key goes into the table at :func:`pagedprefill.tuning.user_table_path`, which the backend's policy reads
 on the next run.
@@ -42,7 +43,6 @@ def tune(backend_name: str, head_sizes, dtypes, workloads, device: torch.device,
     from ..api import get_registry
     from ..backends.triton_base import problem_shape
     from ..device import DeviceInfo
-    from ..triton.launch import launch_prefill
     from ..tuning import table_key
 
     info = DeviceInfo.detect(device)
@@ -68,11 +68,11 @@ def tune(backend_name: str, head_sizes, dtypes, workloads, device: torch.device,
         for j, cfg in enumerate(candidates):
             try:
                 out = fresh_output(check)
-                launch_prefill(out, cfg)
+                backend.run_tile(out, cfg, info)
                 atol, rtol = DEFAULT_TOLERANCES[dtype]
                 assert_matches_reference(out.out, out, atol, rtol, label=str(cfg))
-                ms = float(triton.testing.do_bench(lambda c=cfg, pr=problem: launch_prefill(pr, c), warmup=10, rep=60,
-                                                   return_mode="median"))
+                ms = float(triton.testing.do_bench(lambda c=cfg, pr=problem: backend.run_tile(pr, c, info), warmup=10,
+                                                   rep=60, return_mode="median"))
             except Exception as exc:  # compile failure (resources) or wrong result: drop the candidate
                 log(f"    {j + 1:3d}/{len(candidates)} {cfg.to_dict()} rejected: {type(exc).__name__}: "
                     f"{str(exc).splitlines()[0][:100]}")

@@ -87,6 +87,11 @@ class Backend:
         tune). Each must be one the backend's kernel can run for ``shape``."""
         return []
 
+    def run_tile(self, problem: PrefillProblem, config: TileConfig, device: DeviceInfo) -> None:
+        """Run ``problem`` with the tile ``config`` instead of the policy's: how ``pagedprefill tune`` checks and
+        times each tile of :meth:`search_space`. A backend that declares a search space implements it."""
+        raise NotImplementedError(f"backend {self.name!r} runs only its policy's tiles (it declares no search space)")
+
     def tile_config(self, shape: ProblemShape, device: DeviceInfo) -> Optional[TileConfig]:
         """The tile this backend would use for ``shape`` on ``device`` (None if it does not tile)."""
         return self.policy(shape, device) if self.policy is not None else None
