@@ -15,7 +15,9 @@
 #                e.g. "PINGPONG=1;PINGPONG=1,OVERLAP=1"), one process per schedule at the same time, no timing;
 #   hopper-conformance  sm80's conformance suite with the Hopper kernel forced (sm90 only), a short sweep;
 #   guard-cost   ci/gpu/guard_cost.py: the portable and Hopper kernels' memory-safety guards timed on the bench suite;
-#   host-overhead  ci/gpu/host_overhead.py on both layouts: the host's time per call, layer by layer.
+#   host-overhead  ci/gpu/host_overhead.py on both layouts: the host's time per call, layer by layer;
+#   tune         `pagedprefill tune` on its default keys into OUTDIR/tuned.json (a table to review before it
+#                replaces the shipped tuned/sm90.json), timed.
 # Usage: ci/gpu/verify.sh OUTDIR [step ...]   (default: core-gpu conformance fuzz=2000 bench)
 # STEP_TIMEOUT bounds each test step (seconds, default 600) and DEADLINE (a time in seconds since the epoch) the
 # whole run, so that a run cut short still writes its logs; COMMIT names the commit the bench records.
@@ -97,7 +99,12 @@ for step in ${*:-core-gpu conformance fuzz=2000 bench}; do
       for layout in split nhd; do
         timeout "$limit" python3 ci/gpu/host_overhead.py "$layout" 2>&1 | tee -a "$out/host_overhead.log" || rc=1
       done ;;
-    *) echo "unknown step $step (core-gpu, conformance[=BACKENDS], fuzz=N, bench, hopper, hopper-schedules, hopper-conformance, guard-cost, host-overhead)"; rc=2 ;;
+    tune)
+      started_tune=$(date +%s)
+      timeout "$limit" python3 -m pagedprefill tune --out "$out/tuned.json" >"$out/tune.txt" 2>"$out/tune.log" || rc=1
+      cat "$out/tune.txt"; tail -n 3 "$out/tune.log"
+      echo "tune: $(( $(date +%s) - started_tune )) s" ;;
+    *) echo "unknown step $step (core-gpu, conformance[=BACKENDS], fuzz=N, bench, hopper, hopper-schedules, hopper-conformance, guard-cost, host-overhead, tune)"; rc=2 ;;
   esac
 done
 exit $rc
