@@ -91,6 +91,9 @@ VARIANTS = [
     ("pingpong-s4", dict(num_stages=4), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
     # The split layout's cached values copied into V^T in a 128-byte swizzle instead of 32-byte TMA page boxes.
     ("pingpong-vt-copies", {}, dict(HEAVY_FIRST=True, PINGPONG=True, VT_COPIES=True)),
+    # The split layout's key copies shared by a producer warpgroup (and the values' too, with VT_COPIES).
+    ("pingpong-wide-producer", {}, dict(HEAVY_FIRST=True, PINGPONG=True, WIDE_PRODUCER=True)),
+    ("pingpong-wide-producer-vt", {}, dict(HEAVY_FIRST=True, PINGPONG=True, WIDE_PRODUCER=True, VT_COPIES=True)),
     ("pingpong-overlap", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=True)),
     ("pingpong-overlap-turns", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=True, OVERLAP=True)),
     # 128 keys per step in a 2-deep ring: the policy's tile for NHD and long prefills up to head size 128 since

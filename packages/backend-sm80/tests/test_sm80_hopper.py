@@ -129,6 +129,7 @@ SCHEDULES = {
     "pingpong-turns": dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=True),
     "pingpong-overlap-turns": dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=True, OVERLAP=True),
     "pingpong-vt-copies": dict(HEAVY_FIRST=True, PINGPONG=True, VT_COPIES=True),
+    "pingpong-wide-producer": dict(HEAVY_FIRST=True, PINGPONG=True, WIDE_PRODUCER=True),
 }
 
 
@@ -191,11 +192,14 @@ def test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma():
     for call in COMPILED:
         plain, pingpong = summaries[f"{call}/heavy-first"], summaries[f"{call}/pingpong"]
         copies = summaries[f"{call}/pingpong-vt-copies"]
+        wide = summaries[f"{call}/pingpong-wide-producer"]
         if call.startswith("split"):  # the cached values by 16-byte copies too, and no value box left
             assert copies["async_copies"] == 2 * pingpong["async_copies"], call
             assert copies["tma_copies"] < pingpong["tma_copies"], call
+            # Four producer warps: each thread issues a quarter of the key copies.
+            assert 4 * wide["async_copies"] == pingpong["async_copies"], call
         else:  # nothing to copy differently in the NHD layout
-            assert copies == pingpong, call
+            assert copies == pingpong == wide, call
         if plain["tile_warps"] == 8:
             # Two consumer partitions of one warpgroup each, each with its own MMAs; the launch is the first's.
             assert pingpong["launch_warps"] == 4 and pingpong["wgmma"] == 2 * plain["wgmma"], call

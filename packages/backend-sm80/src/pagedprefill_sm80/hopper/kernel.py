@@ -102,17 +102,18 @@ def _pages(table, pos, PAGE: gl.constexpr):
 
 @gluon.jit
 def _split_keys_async(split_keys, k_dst, table, kv_head, n0,
-                      HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, X: gl.constexpr):
+                      HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, X: gl.constexpr,
+                      WARPS: gl.constexpr):
     """Copy one tile of cached keys from the split layout ``[blocks, Hkv, D / X, PAGE, X]`` into the
     ``[BLOCK_N, D]`` tile the QK^T MMA reads, 16 bytes (one ``X`` vector) per asynchronous copy.
 
-    The split layout has no 2-D view a TMA box could take, so the producer warp copies: its lanes walk along
-    the slots of a page, where consecutive ``X`` vectors of one ``d // X`` group are contiguous.
+    The split layout has no 2-D view a TMA box could take, so the producer's ``WARPS`` warps copy: their lanes
+    walk along the slots of a page, where consecutive ``X`` vectors of one ``d // X`` group are contiguous.
     ``split_keys`` is ``(K_cache, stride_block, stride_head, stride_group)``, strides multiples of ``X``.
     """
     K_cache, stride_kb, stride_kh, stride_kd = split_keys
     LANES_N: gl.constexpr = 16 if BLOCK_N >= 16 else BLOCK_N
-    k_ld: gl.constexpr = gl.BlockedLayout([1, X], [LANES_N, 32 // LANES_N], [1, 1], [0, 1])
+    k_ld: gl.constexpr = gl.BlockedLayout([1, X], [LANES_N, 32 // LANES_N], [WARPS, 1], [0, 1])
     offs_n = gl.arange(0, BLOCK_N, gl.SliceLayout(1, k_ld))
     offs_d = gl.arange(0, HEAD_SIZE, gl.SliceLayout(0, k_ld))
     pos = n0 + offs_n
@@ -125,7 +126,7 @@ def _split_keys_async(split_keys, k_dst, table, kv_head, n0,
 
 @gluon.jit
 def _split_values_async(split_values, vt_dst, table, kv_head, n0,
-                        HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
+                        HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, WARPS: gl.constexpr):
     """Copy one tile of cached values from the split layout (``[blocks, Hkv, D, PAGE]``: a page of one head is
     ``D`` rows of ``PAGE`` slots) into ``vt_dst`` (``[D, BLOCK_N]``, V^T in the MMA's own swizzle), 16 bytes
     of consecutive slots per asynchronous copy. ``split_values`` is ``(V_cache, rows per block, row stride)``:
@@ -133,7 +134,7 @@ def _split_values_async(split_values, vt_dst, table, kv_head, n0,
     V_cache, rows_per_block, stride_row = split_values
     VEC: gl.constexpr = 8  # 16 bytes of 16-bit values; PAGE >= 16 keeps a vector inside one page
     LANES_N: gl.constexpr = BLOCK_N // VEC
-    v_ld: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // LANES_N, LANES_N], [1, 1], [1, 0])
+    v_ld: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // LANES_N, LANES_N], [WARPS, 1], [1, 0])
     offs_d = gl.arange(0, HEAD_SIZE, gl.SliceLayout(1, v_ld))
     offs_n = gl.arange(0, BLOCK_N, gl.SliceLayout(0, v_ld))
     pos = n0 + offs_n
@@ -164,7 +165,8 @@ def _copy_rows(desc, row, kv_head, col, barrier, tile, start, ROWS: gl.constexpr
 @gluon.jit
 def _producer(loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
               HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              SPLIT: gl.constexpr, X: gl.constexpr, HEAD_DIM: gl.constexpr, VT_COPIES: gl.constexpr):
+              SPLIT: gl.constexpr, X: gl.constexpr, HEAD_DIM: gl.constexpr, VT_COPIES: gl.constexpr,
+              WARPS: gl.constexpr):
     """Fill the ring: for each key tile, wait until its buffer is free, then issue the copies of K and V and
     let the ``ready`` barrier count their bytes (TMA) and their completion (asynchronous copies).
 
@@ -173,7 +175,7 @@ def _producer(loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
     block count, ``walk`` the key tiles (:func:`_key_tiles`; the consumers' row positions are not used here).
     A head size ``HEAD_DIM`` below the tile's width ``HEAD_SIZE`` (NHD; not a power of two) comes through rank-3
     descriptors (``[rows, heads, head size]``), whose boxes of ``HEAD_SIZE`` columns read the columns past the
-    head as zeros.
+    head as zeros. ``WARPS``: the producer partition's warps, which share the split layout's 16-byte copies.
     """
     PADDED: gl.constexpr = HEAD_DIM < HEAD_SIZE
     k_cache, v_cache, k_new, v_new, v_cache_t, split_keys, split_values = loads
@@ -191,9 +193,10 @@ def _producer(loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
         if it < cache_tiles:
             n0 = cache_start + it * BLOCK_N
             if SPLIT:
-                _split_keys_async(split_keys, k_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, X)
+                _split_keys_async(split_keys, k_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS)
                 if VT_COPIES:  # values too by 16-byte copies, into V^T in the MMA's 128-byte swizzle
-                    _split_values_async(split_values, vt_smem.index(s), table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N)
+                    _split_values_async(split_values, vt_smem.index(s), table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N,
+                                        WARPS)
                 # Arrives once this lane's copies have landed; issued before the TMA's expect, so the barrier
                 # cannot complete on the value bytes alone.
                 async_copy.mbarrier_arrive(ready.index(s))
@@ -488,7 +491,7 @@ def hopper_prefill_kernel(
     OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr, HEAVY_FIRST: gl.constexpr,
     SPLIT: gl.constexpr, X: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr, OVERLAP: gl.constexpr,
     FP8_CACHE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, HEAD_DIM: gl.constexpr,
-    VT_COPIES: gl.constexpr,
+    VT_COPIES: gl.constexpr, WIDE_PRODUCER: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Prefix-prefill attention of one query tile on sm90 (see the module docstring).
@@ -507,7 +510,8 @@ def hopper_prefill_kernel(
     ``OVERLAP`` issues each tile's ``Q K^T`` before the previous tile's softmax is done with (see _consumer).
     ``FP8_CACHE`` (NHD): ``k_cache``/``v_cache`` describe the FP8 cache; its tiles land in FP8 buffers of their
     own and each consumer widens them to 16 bits before its MMAs; ``k_scale``/``v_scale`` (or the tensors behind
-    ``k_scale_ptr``/``v_scale_ptr``) are folded into the logits and the output.
+    ``k_scale_ptr``/``v_scale_ptr``) are folded into the logits and the output. ``WIDE_PRODUCER`` (split
+    layout) gives the producer a warpgroup instead of one warp, so that four warps share its 16-byte copies.
     """
     TOKENS_PER_TILE: gl.constexpr = BLOCK_M // HEADS_PER_TILE
     tile = gl.program_id(0)
@@ -601,6 +605,7 @@ def hopper_prefill_kernel(
     loads = (k_cache, v_cache, k_new, v_new, v_cache_t, (K_cache, stride_kb, stride_kh, stride_kd),
              (V_cache, v_rows_per_block, stride_v_row))
     table = (table_row, table_width, num_blocks)
+    PRODUCER_WARPS: gl.constexpr = 4 if WIDE_PRODUCER and SPLIT else 1
     if PINGPONG:
         gl.warp_specialize([
             (_consumer, (q_smem.slice(0, ROWS), ring, output, rows, walk, features, (turn.index(0), turn.index(1)),
@@ -614,8 +619,8 @@ def hopper_prefill_kernel(
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
                          TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM)),
             (_producer, (loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
-                         HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES)),
-        ], [LAUNCH_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
+                         HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS)),
+        ], [LAUNCH_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (q_smem, ring, output, rows, walk, features, (turn.index(0), turn.index(1)),
@@ -624,5 +629,5 @@ def hopper_prefill_kernel(
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
                          False, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM)),
             (_producer, (loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
-                         HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES)),
-        ], [1], [PRODUCER_REGS])
+                         HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])

@@ -221,17 +221,24 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: alternation, and ``OVERLAP`` issues each tile's Q K^T together with the previous tile's P V (as an
 #: asynchronous MMA) so that the softmax runs under it. ``VT_COPIES`` (split layout) has the producer copy the
 #: cached values 16 bytes at a time into V^T in the MMA's 128-byte swizzle, instead of one TMA box per page,
-#: whose 32-byte swizzle (a page of 16 slots is 32 bytes wide) is what the P V MMA then reads.
+#: whose 32-byte swizzle (a page of 16 slots is 32 bytes wide) is what the P V MMA then reads. ``WIDE_PRODUCER``
+#: (split layout) makes the producer a warpgroup, so that four warps share the 16-byte copies of the cached keys
+#: (and of the values under ``VT_COPIES``) that one warp issues otherwise; the consumers then hold
+#: :data:`WIDE_CONSUMER_REGS` registers each. Not measured yet.
 #: On the H200 (docs/performance.md, runs 3 and 4; ci/gpu/hopper_check.py, 4 bench workloads x 2 layouts):
 #: heavy-first was at least as fast as index order on every row; ping-pong was 1.00-1.21 x the lockstep loop
 #: and 1.24-1.49 x the portable kernel, the fastest schedule on every NHD row and within 1.3% of ``TURNS`` on
 #: the split rows, and passed the 29 checks of hopper_check.py and sm80's conformance suite with the kernel
 #: forced; ``TURNS`` was 3-10% slower on NHD; ``OVERLAP`` gave NaN on NHD then (P was overwritten while its
 #: P V ran; fixed since, not yet re-measured).
-SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=False, VT_COPIES=False)
+SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=False, VT_COPIES=False, WIDE_PRODUCER=False)
 #: Registers per thread of the second consumer partition under ``PINGPONG`` (the first, the kernel's default
 #: partition, keeps what the others leave).
 CONSUMER_REGS = 240
+#: Registers per thread of a producer warpgroup (``WIDE_PRODUCER``: a quarter of the copy addresses per lane) and
+#: of the consumers beside it: 128 x 56 + 256 x 224 = 64,512 of the SM's 65,536.
+WIDE_PRODUCER_REGS = 56
+WIDE_CONSUMER_REGS = 224
 
 
 def parse_schedule(text: str) -> dict:
@@ -278,6 +285,9 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
     schedule["TURNS"] = bool(schedule["TURNS"]) and schedule["PINGPONG"]
     # FP8 tiles are widened before their MMAs: the overlapped issue order is not built for that.
     schedule["OVERLAP"] = bool(schedule["OVERLAP"]) and not fp8
+    # Only the split layout's copies are shared among the producer's warps (NHD is all TMA, one thread issues).
+    schedule["WIDE_PRODUCER"] = bool(schedule["WIDE_PRODUCER"]) and split
+    wide = schedule["WIDE_PRODUCER"]
     constexprs = dict(
         HEAD_SIZE=PADDED_HEADS.get(D, D), HEAD_DIM=D, PAGE=p.cache.block_size, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
@@ -290,7 +300,8 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
         SPLIT=split, X=key.shape[4] if split else 8,
         FP8_CACHE=fp8, K_SCALE_PTR=k_from_ptr, V_SCALE_PTR=v_from_ptr,
         # The producer warp of the split layout holds a tile of 16-byte copy addresses.
-        PRODUCER_REGS=96 if split and config.num_warps == 8 else 24, CONSUMER_REGS=CONSUMER_REGS,
+        PRODUCER_REGS=WIDE_PRODUCER_REGS if wide else 96 if split and config.num_warps == 8 else 24,
+        CONSUMER_REGS=WIDE_CONSUMER_REGS if wide else CONSUMER_REGS,
     )
     # Under PINGPONG the launch's warps are the default partition's: the first consumer warpgroup.
     warps = config.num_warps // 2 if schedule["PINGPONG"] else config.num_warps
