@@ -94,6 +94,10 @@ VARIANTS = [
     # The split layout's key copies shared by a producer warpgroup (and the values' too, with VT_COPIES).
     ("pingpong-wide-producer", {}, dict(HEAVY_FIRST=True, PINGPONG=True, WIDE_PRODUCER=True)),
     ("pingpong-wide-producer-vt", {}, dict(HEAVY_FIRST=True, PINGPONG=True, WIDE_PRODUCER=True, VT_COPIES=True)),
+    # The split layout's V^T and V in one ring, and the third stage of 128 keys that this makes room for.
+    ("pingpong-shared-v", {}, dict(HEAVY_FIRST=True, PINGPONG=True, SHARED_V=True)),
+    ("pingpong-shared-v-n128-s3", dict(block_n=128, num_stages=3),
+     dict(HEAVY_FIRST=True, PINGPONG=True, SHARED_V=True)),
     ("pingpong-overlap", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=True)),
     ("pingpong-overlap-turns", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=True, OVERLAP=True)),
     # 128 keys per step in a 2-deep ring: the policy's tile for NHD and long prefills up to head size 128 since

@@ -491,7 +491,7 @@ def hopper_prefill_kernel(
     OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr, HEAVY_FIRST: gl.constexpr,
     SPLIT: gl.constexpr, X: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr, OVERLAP: gl.constexpr,
     FP8_CACHE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, HEAD_DIM: gl.constexpr,
-    VT_COPIES: gl.constexpr, WIDE_PRODUCER: gl.constexpr,
+    VT_COPIES: gl.constexpr, WIDE_PRODUCER: gl.constexpr, SHARED_V: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Prefix-prefill attention of one query tile on sm90 (see the module docstring).
@@ -512,6 +512,7 @@ def hopper_prefill_kernel(
     own and each consumer widens them to 16 bits before its MMAs; ``k_scale``/``v_scale`` (or the tensors behind
     ``k_scale_ptr``/``v_scale_ptr``) are folded into the logits and the output. ``WIDE_PRODUCER`` (split
     layout) gives the producer a warpgroup instead of one warp, so that four warps share its 16-byte copies.
+    ``SHARED_V`` (split layout): the cached tiles' V^T and the new-token tiles' V share one ring.
     """
     TOKENS_PER_TILE: gl.constexpr = BLOCK_M // HEADS_PER_TILE
     tile = gl.program_id(0)
@@ -561,7 +562,12 @@ def hopper_prefill_kernel(
             vt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_SIZE, BLOCK_N], dtype)
         else:  # cached values as V^T pages by TMA: [D, BLOCK_N], each page a column block of the box's swizzle
             vt_layout: gl.constexpr = v_cache_t.layout
-        vt_smem = gl.allocate_shared_memory(dtype, [STAGES, HEAD_SIZE, BLOCK_N], vt_layout)
+        if SHARED_V:
+            # A stage holds either a cached tile (its values as V^T) or a new-token tile (V), never both: the
+            # two rings can be one allocation, seen in either layout.
+            vt_smem = v_smem._reinterpret(dtype, [STAGES, HEAD_SIZE, BLOCK_N], vt_layout)
+        else:
+            vt_smem = gl.allocate_shared_memory(dtype, [STAGES, HEAD_SIZE, BLOCK_N], vt_layout)
     else:
         vt_smem = v_smem
     CONSUMERS: gl.constexpr = 2 if PINGPONG else 1

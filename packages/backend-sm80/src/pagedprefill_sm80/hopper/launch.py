@@ -32,19 +32,21 @@ MAX_ROWS = 2**31 - 1
 FP8_CACHES = ("fp8_e4m3", "fp8_e5m2")
 
 
-def shared_bytes(shape: ProblemShape, config: TileConfig) -> int:
+def shared_bytes(shape: ProblemShape, config: TileConfig, schedule: Optional[dict] = None) -> int:
     """Bytes of shared memory the kernel allocates for calls of ``shape`` with ``config``: the Q tile, the K/V
     ring, the split layout's ring of V^T pages, an FP8 cache's own ring and each consumer's widened copies, and
     1 KiB for the barriers (they take about 0.3 KiB). Within that margin of what Triton allocated for every
     policy tile of the bench suite (``ci/codegen_report.py``: 160.2 KiB for 128 x 128 keys in 2 stages at head
-    size 128 on NHD, 224.3 KiB on split, 192.2 KiB for head size 256 on 128 x 64 in 2 stages)."""
+    size 128 on NHD, 224.3 KiB on split, 192.2 KiB for head size 256 on 128 x 64 in 2 stages). ``schedule``:
+    the flags it is compiled with (default :data:`SCHEDULE`)."""
+    schedule = {**SCHEDULE, **(schedule or {})}
     d = PADDED_HEADS.get(shape.head_size, shape.head_size)
     tile = config.block_n * d * 2  # one K or V tile in the input's 16-bit type
     total = config.block_m * d * 2 + config.num_stages * 2 * tile
-    if shape.layout == "split":
+    if shape.layout == "split" and not schedule["SHARED_V"]:
         total += config.num_stages * tile
     if shape.kv_cache_dtype != "auto":
-        consumers = 2 if SCHEDULE["PINGPONG"] else 1
+        consumers = 2 if schedule["PINGPONG"] else 1
         total += config.num_stages * 2 * config.block_n * d + consumers * 2 * tile
     return total + 1024
 
@@ -224,14 +226,17 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: whose 32-byte swizzle (a page of 16 slots is 32 bytes wide) is what the P V MMA then reads. ``WIDE_PRODUCER``
 #: (split layout) makes the producer a warpgroup, so that four warps share the 16-byte copies of the cached keys
 #: (and of the values under ``VT_COPIES``) that one warp issues otherwise; the consumers then hold
-#: :data:`WIDE_CONSUMER_REGS` registers each. Not measured yet.
+#: :data:`WIDE_CONSUMER_REGS` registers each. ``SHARED_V`` (split layout) keeps the cached tiles' V^T pages and
+#: the new-token tiles' V in one ring (a stage holds one or the other), which saves a third of the split
+#: layout's ring: room for a third stage of 128 keys, or head size 256. Neither is measured yet.
 #: On the H200 (docs/performance.md, runs 3 and 4; ci/gpu/hopper_check.py, 4 bench workloads x 2 layouts):
 #: heavy-first was at least as fast as index order on every row; ping-pong was 1.00-1.21 x the lockstep loop
 #: and 1.24-1.49 x the portable kernel, the fastest schedule on every NHD row and within 1.3% of ``TURNS`` on
 #: the split rows, and passed the 29 checks of hopper_check.py and sm80's conformance suite with the kernel
 #: forced; ``TURNS`` was 3-10% slower on NHD; ``OVERLAP`` gave NaN on NHD then (P was overwritten while its
 #: P V ran; fixed since, not yet re-measured).
-SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=False, VT_COPIES=False, WIDE_PRODUCER=False)
+SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=False, VT_COPIES=False, WIDE_PRODUCER=False,
+                SHARED_V=False)
 #: Registers per thread of the second consumer partition under ``PINGPONG`` (the first, the kernel's default
 #: partition, keeps what the others leave).
 CONSUMER_REGS = 240
@@ -287,6 +292,7 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
     schedule["OVERLAP"] = bool(schedule["OVERLAP"]) and not fp8
     # Only the split layout's copies are shared among the producer's warps (NHD is all TMA, one thread issues).
     schedule["WIDE_PRODUCER"] = bool(schedule["WIDE_PRODUCER"]) and split
+    schedule["SHARED_V"] = bool(schedule["SHARED_V"]) and split
     wide = schedule["WIDE_PRODUCER"]
     constexprs = dict(
         HEAD_SIZE=PADDED_HEADS.get(D, D), HEAD_DIM=D, PAGE=p.cache.block_size, BLOCK_M=config.block_m,
