@@ -98,6 +98,9 @@ VARIANTS = [
     ("pingpong-shared-v", {}, dict(HEAVY_FIRST=True, PINGPONG=True, SHARED_V=True)),
     ("pingpong-shared-v-n128-s3", dict(block_n=128, num_stages=3),
      dict(HEAVY_FIRST=True, PINGPONG=True, SHARED_V=True)),
+    # FP8 caches widened once by a producer warpgroup (the consumers' copies freed: room for 3 stages).
+    ("pingpong-producer-widens", {}, dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=True)),
+    ("pingpong-producer-widens-s3", dict(num_stages=3), dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=True)),
     ("pingpong-overlap", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=True)),
     ("pingpong-overlap-turns", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=True, OVERLAP=True)),
     # 128 keys per step in a 2-deep ring: the policy's tile for NHD and long prefills up to head size 128 since

@@ -131,6 +131,7 @@ SCHEDULES = {
     "pingpong-vt-copies": dict(HEAVY_FIRST=True, PINGPONG=True, VT_COPIES=True),
     "pingpong-wide-producer": dict(HEAVY_FIRST=True, PINGPONG=True, WIDE_PRODUCER=True),
     "pingpong-shared-v": dict(HEAVY_FIRST=True, PINGPONG=True, SHARED_V=True),
+    "pingpong-producer-widens": dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=True),
 }
 
 
@@ -186,7 +187,7 @@ def test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma():
         # and is exact but for its 1 KiB allowance for the barriers under that schedule.
         if summary["shared_bytes"] is not None:
             assert summary["shared_bytes"] <= summary["modelled_shared"], name
-            if name.endswith(("/pingpong", "/pingpong-shared-v")):
+            if name.endswith(("/pingpong", "/pingpong-shared-v", "/pingpong-producer-widens")):
                 assert summary["modelled_shared"] - summary["shared_bytes"] <= 1024, name
         # No instruction touches registers an asynchronous warpgroup MMA still owns (P of an in-flight P V).
         assert summary["wgmma_hazards"] in (0, None), name
@@ -205,6 +206,13 @@ def test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma():
             assert shared_v["modelled_shared"] < pingpong["modelled_shared"], call
         else:  # nothing to copy differently in the NHD layout
             assert copies == pingpong == wide == summaries[f"{call}/pingpong-shared-v"], call
+        widened = summaries[f"{call}/pingpong-producer-widens"]
+        if "kv_cache_dtype" in COMPILED[call]:
+            # Widened once by the producer warpgroup: no consumer copies, a third less shared memory.
+            assert widened["shared_bytes"] < pingpong["shared_bytes"], call
+            assert widened["wgmma"] <= pingpong["wgmma"], call
+        else:  # nothing to widen
+            assert widened == pingpong, call
         if plain["tile_warps"] == 8:
             # Two consumer partitions of one warpgroup each, each with its own MMAs; the launch is the first's.
             assert pingpong["launch_warps"] == 4 and pingpong["wgmma"] == 2 * plain["wgmma"], call

@@ -163,10 +163,24 @@ def _copy_rows(desc, row, kv_head, col, barrier, tile, start, ROWS: gl.constexpr
 
 
 @gluon.jit
-def _producer(loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
+def _cached_boxes(k_cache, v_cache, table, kv_head, col, n0, barrier, k_dst, v_dst, TILE_BYTES: gl.constexpr,
+                  PAGE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_SIZE: gl.constexpr, PADDED: gl.constexpr):
+    """One NHD tile of cached keys and values by TMA into ``k_dst``/``v_dst``, one box per page (or per tile
+    when a page holds several), counted in bytes by ``barrier`` (``TILE_BYTES`` for K and V together)."""
+    BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
+    mbarrier.expect(barrier, TILE_BYTES)
+    for b in gl.static_range(BLOCK_N // BOX):
+        pos = n0 + b * BOX
+        row = _pages(table, pos, PAGE) * PAGE + pos % PAGE
+        _copy_rows(k_cache, row, kv_head, col, barrier, k_dst, b * BOX, BOX, BLOCK_N, HEAD_SIZE, PADDED)
+        _copy_rows(v_cache, row, kv_head, col, barrier, v_dst, b * BOX, BOX, BLOCK_N, HEAD_SIZE, PADDED)
+
+
+@gluon.jit
+def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk,
               HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               SPLIT: gl.constexpr, X: gl.constexpr, HEAD_DIM: gl.constexpr, VT_COPIES: gl.constexpr,
-              WARPS: gl.constexpr):
+              WARPS: gl.constexpr, PRODUCER_WIDENS: gl.constexpr):
     """Fill the ring: for each key tile, wait until its buffer is free, then issue the copies of K and V and
     let the ``ready`` barrier count their bytes (TMA) and their completion (asynchronous copies).
 
@@ -176,6 +190,10 @@ def _producer(loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
     A head size ``HEAD_DIM`` below the tile's width ``HEAD_SIZE`` (NHD; not a power of two) comes through rank-3
     descriptors (``[rows, heads, head size]``), whose boxes of ``HEAD_SIZE`` columns read the columns past the
     head as zeros. ``WARPS``: the producer partition's warps, which share the split layout's 16-byte copies.
+
+    ``PRODUCER_WIDENS`` (an FP8 cache, NHD): the cached tiles land by TMA in the FP8 ring (``k8_smem``/``v8_smem``,
+    counted by ``ready8``), up to ``STAGES`` tiles ahead; the producer's warps widen each into the 16-bit ring
+    once, for both consumers, then signal ``ready``.
     """
     PADDED: gl.constexpr = HEAD_DIM < HEAD_SIZE
     k_cache, v_cache, k_new, v_new, v_cache_t, split_keys, split_values = loads
@@ -186,39 +204,51 @@ def _producer(loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
     # Cached tiles in the cache's own element type (FP8 caches land in their own ring, k8_smem / v8_smem).
     CACHE_HALF_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * v_cache_t.dtype.primitive_bitwidth // 8
     col = kv_head * HEAD_DIM
+    if PRODUCER_WIDENS:  # the first FP8 tiles in flight before any 16-bit buffer is free
+        for j in range(gl.minimum(cache_tiles, STAGES)):
+            _cached_boxes(k_cache, v_cache, table, kv_head, col, cache_start + j * BLOCK_N, ready8.index(j),
+                          k8_smem.index(j), v8_smem.index(j), 2 * CACHE_HALF_BYTES, PAGE, BLOCK_N, HEAD_SIZE, PADDED)
     for it in range(cache_tiles + new_tiles):
         s = it % STAGES
         mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
         k_dst = k_smem.index(s)
         if it < cache_tiles:
-            n0 = cache_start + it * BLOCK_N
-            if SPLIT:
-                _split_keys_async(split_keys, k_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS)
-                if VT_COPIES:  # values too by 16-byte copies, into V^T in the MMA's 128-byte swizzle
-                    _split_values_async(split_values, vt_smem.index(s), table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N,
-                                        WARPS)
-                # Arrives once this lane's copies have landed; issued before the TMA's expect, so the barrier
-                # cannot complete on the value bytes alone.
-                async_copy.mbarrier_arrive(ready.index(s))
-                if VT_COPIES:
-                    mbarrier.arrive(ready.index(s), count=1)
-                else:
-                    mbarrier.expect(ready.index(s), CACHE_HALF_BYTES)
+            if PRODUCER_WIDENS:
+                mbarrier.wait(ready8.index(s), (it // STAGES) & 1)
+                _widen(k8_smem.index(s), k_dst, HEAD_SIZE, WARPS)
+                _widen(v8_smem.index(s), v_smem.index(s), HEAD_SIZE, WARPS)
+                # The stores are ordered before the consumers' MMA reads, and every warp is done with the FP8
+                # slot before the next tile's boxes overwrite it.
+                fence_async_shared()
+                gl.thread_barrier()
+                if it + STAGES < cache_tiles:
+                    _cached_boxes(k_cache, v_cache, table, kv_head, col, cache_start + (it + STAGES) * BLOCK_N,
+                                  ready8.index(s), k8_smem.index(s), v8_smem.index(s), 2 * CACHE_HALF_BYTES, PAGE,
+                                  BLOCK_N, HEAD_SIZE, PADDED)
+                mbarrier.arrive(ready.index(s), count=1)
             else:
-                mbarrier.expect(ready.index(s), 2 * CACHE_HALF_BYTES)
-            for b in gl.static_range(0 if SPLIT and VT_COPIES else BLOCK_N // BOX):
-                pos = n0 + b * BOX
-                page = _pages(table, pos, PAGE)
+                n0 = cache_start + it * BLOCK_N
                 if SPLIT:
-                    # A page's values of one head are one [D, PAGE] block: V^T, one box per page.
-                    tma.async_copy_global_to_shared(v_cache_t, [page * v_rows_per_block + col, pos % PAGE],
-                                                    ready.index(s), vt_smem.index(s).slice(b * BOX, BOX, dim=1))
+                    _split_keys_async(split_keys, k_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS)
+                    if VT_COPIES:  # values too by 16-byte copies, into V^T in the MMA's 128-byte swizzle
+                        _split_values_async(split_values, vt_smem.index(s), table, kv_head, n0, HEAD_SIZE, PAGE,
+                                            BLOCK_N, WARPS)
+                    # Arrives once this lane's copies have landed; issued before the TMA's expect, so the
+                    # barrier cannot complete on the value bytes alone.
+                    async_copy.mbarrier_arrive(ready.index(s))
+                    if VT_COPIES:
+                        mbarrier.arrive(ready.index(s), count=1)
+                    else:
+                        mbarrier.expect(ready.index(s), CACHE_HALF_BYTES)
+                    for b in gl.static_range(0 if VT_COPIES else BLOCK_N // BOX):
+                        pos = n0 + b * BOX
+                        # A page's values of one head are one [D, PAGE] block: V^T, one box per page.
+                        row = _pages(table, pos, PAGE) * v_rows_per_block + col
+                        tma.async_copy_global_to_shared(v_cache_t, [row, pos % PAGE], ready.index(s),
+                                                        vt_smem.index(s).slice(b * BOX, BOX, dim=1))
                 else:
-                    row = page * PAGE + pos % PAGE
-                    _copy_rows(k_cache, row, kv_head, col, ready.index(s), k8_smem.index(s), b * BOX, BOX, BLOCK_N,
-                               HEAD_SIZE, PADDED)
-                    _copy_rows(v_cache, row, kv_head, col, ready.index(s), v8_smem.index(s), b * BOX, BOX, BLOCK_N,
-                               HEAD_SIZE, PADDED)
+                    _cached_boxes(k_cache, v_cache, table, kv_head, col, n0, ready.index(s), k8_smem.index(s),
+                                  v8_smem.index(s), 2 * CACHE_HALF_BYTES, PAGE, BLOCK_N, HEAD_SIZE, PADDED)
         else:
             mbarrier.expect(ready.index(s), 2 * HALF_BYTES)
             row = seq_row0 + new_start + (it - cache_tiles) * BLOCK_N
@@ -228,11 +258,12 @@ def _producer(loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
 
 
 @gluon.jit
-def _wait_tile(ready, it, from_cache, SPLIT: gl.constexpr, STAGES: gl.constexpr):
-    """Wait until key tile ``it`` has landed in its buffer. Keys the producer wrote with asynchronous copies
-    (split-layout cache tiles) are ordinary shared-memory writes: fenced before the MMA's reads."""
+def _wait_tile(ready, it, from_cache, WRITTEN: gl.constexpr, STAGES: gl.constexpr):
+    """Wait until key tile ``it`` has landed in its buffer. Cached tiles the producer wrote with its own
+    instructions (``WRITTEN``: the split layout's asynchronous copies, widened FP8 tiles) are ordinary
+    shared-memory writes: fenced before the MMA's reads."""
     mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
-    if SPLIT:
+    if WRITTEN:
         if from_cache:
             fence_async_shared()
 
@@ -297,7 +328,8 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
               ALIBI: gl.constexpr, SINKS: gl.constexpr, NEW_KV_IN_CACHE: gl.constexpr,
               OUT_SCALE: gl.constexpr, OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr,
               SPLIT: gl.constexpr, TURNS: gl.constexpr, OVERLAP: gl.constexpr, FP8_CACHE: gl.constexpr,
-              K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, HEAD_DIM: gl.constexpr):
+              K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, HEAD_DIM: gl.constexpr,
+              PRODUCER_WIDENS: gl.constexpr):
     """Consume the ring for rows ``ROW0 .. ROW0 + BLOCK_M`` of the tile (``q_smem`` holds those rows):
     scores, online softmax and ``P V`` per key tile; then normalise and store.
 
@@ -312,7 +344,8 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
     into ``widened`` (its own 16-bit K and V buffers), hands the FP8 buffer back at once, and runs its MMAs on
     the widened copy. ``kv_scales`` (``k_scale``, ``v_scale`` and their tensor forms) are folded as in the
     portable kernel: ``k_scale`` into the cached tiles' logit scale, ``v_scale`` into the accumulator once the
-    cached tiles are done (they come first).
+    cached tiles are done (they come first). With ``PRODUCER_WIDENS`` the producer has widened the cached tiles
+    into the 16-bit ring already: this consumer reads them there, and only folds the scales.
     """
     k_smem, v_smem, vt_smem, k8_smem, v8_smem, ready, empty = ring
     kc_smem, vc_smem = widened
@@ -321,6 +354,8 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
     cache_start, cache_tiles, new_start, new_tiles, pos_first, full_from = walk
     alibi_slopes, sinks, window, softcap, qk_scale = features
     gl.static_assert(not (FP8_CACHE and (OVERLAP or SPLIT)), "FP8 caches: NHD layout, not with OVERLAP")
+    WIDENS: gl.constexpr = FP8_CACHE and not PRODUCER_WIDENS  # this consumer widens the FP8 tiles itself
+    WRITTEN: gl.constexpr = SPLIT or PRODUCER_WIDENS  # cached tiles written by the producer's own stores
     qk_scale_cache = qk_scale
     v_scale = 1.0
     if FP8_CACHE:
@@ -359,7 +394,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
         p_op = gl.zeros([BLOCK_M, BLOCK_N], q_smem.dtype, p_layout)
         alpha = gl.full([BLOCK_M], 1.0, gl.float32, row_s)
         if total > 0:
-            _wait_tile(ready, 0, 0 < cache_tiles, SPLIT, STAGES)
+            _wait_tile(ready, 0, 0 < cache_tiles, WRITTEN, STAGES)
             scores = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), scores, use_acc=False)
             p_op, alpha, m_i, l_i = _softmax_tile(
                 scores, m_i, l_i, 0, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap, qk_scale,
@@ -370,7 +405,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
             has_next = it + 1 < total
             s_next = gl.where(has_next, (it + 1) % STAGES, s)
             if has_next:
-                _wait_tile(ready, it + 1, it + 1 < cache_tiles, SPLIT, STAGES)
+                _wait_tile(ready, it + 1, it + 1 < cache_tiles, WRITTEN, STAGES)
             if TURNS:
                 mbarrier.wait(turns[0], it & 1)
             next_token = warpgroup_mma(q_smem, k_smem.index(s_next).permute((1, 0)),
@@ -408,10 +443,11 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
         for it in range(total):
             s = it % STAGES
             from_cache = it < cache_tiles
-            _wait_tile(ready, it, from_cache, SPLIT, STAGES)
+            _wait_tile(ready, it, from_cache, WRITTEN, STAGES)
             if FP8_CACHE:
                 if it == cache_tiles:  # the cached tiles are done: their values' scale, once
                     acc = acc * v_scale
+            if WIDENS:
                 if from_cache:
                     # Widened into this consumer's own buffers (the last tile's MMAs on them are complete: they
                     # are synchronous), then the FP8 buffer goes back to the producer.
@@ -423,7 +459,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
             if TURNS:
                 mbarrier.wait(turns[0], it & 1)
             zeros = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-            if FP8_CACHE and from_cache:
+            if WIDENS and from_cache:
                 scores = warpgroup_mma(q_smem, kc_smem.permute((1, 0)), zeros, use_acc=False)
             else:
                 scores = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), zeros, use_acc=False)
@@ -437,7 +473,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
                 cache_start, cache_tiles, new_start, pos_first, full_from, p_layout, q_smem.dtype, BLOCK_N, CAUSAL,
                 WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            if FP8_CACHE and from_cache:
+            if WIDENS and from_cache:
                 acc = warpgroup_mma(p_op, vc_smem, acc)
             elif SPLIT and from_cache:
                 # Cached values arrive transposed (V^T pages) in their own ring, new tokens' values as rows.
@@ -446,7 +482,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
                 acc = warpgroup_mma(p_op, v_smem.index(s), acc)
             # Every warp of this consumer is past its MMAs before the buffer is handed back to the producer.
             gl.thread_barrier()
-            if not (FP8_CACHE and from_cache):
+            if not (WIDENS and from_cache):
                 mbarrier.arrive(empty.index(s), count=1)
         if FP8_CACHE:
             if new_tiles == 0:  # no new tile followed the cached ones
@@ -491,7 +527,7 @@ def hopper_prefill_kernel(
     OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr, HEAVY_FIRST: gl.constexpr,
     SPLIT: gl.constexpr, X: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr, OVERLAP: gl.constexpr,
     FP8_CACHE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, HEAD_DIM: gl.constexpr,
-    VT_COPIES: gl.constexpr, WIDE_PRODUCER: gl.constexpr, SHARED_V: gl.constexpr,
+    VT_COPIES: gl.constexpr, WIDE_PRODUCER: gl.constexpr, SHARED_V: gl.constexpr, PRODUCER_WIDENS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Prefix-prefill attention of one query tile on sm90 (see the module docstring).
@@ -513,6 +549,8 @@ def hopper_prefill_kernel(
     ``k_scale_ptr``/``v_scale_ptr``) are folded into the logits and the output. ``WIDE_PRODUCER`` (split
     layout) gives the producer a warpgroup instead of one warp, so that four warps share its 16-byte copies.
     ``SHARED_V`` (split layout): the cached tiles' V^T and the new-token tiles' V share one ring.
+    ``PRODUCER_WIDENS`` (FP8 cache): a producer warpgroup widens each cached tile once into the 16-bit ring,
+    instead of each consumer into its own copy.
     """
     TOKENS_PER_TILE: gl.constexpr = BLOCK_M // HEADS_PER_TILE
     tile = gl.program_id(0)
@@ -577,8 +615,12 @@ def hopper_prefill_kernel(
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_SIZE], c_dtype)
         k8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, BLOCK_N, HEAD_SIZE], c_layout)
         v8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, BLOCK_N, HEAD_SIZE], c_layout)
-        kc_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_N, HEAD_SIZE], kv_layout)
-        vc_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_N, HEAD_SIZE], kv_layout)
+        if PRODUCER_WIDENS:  # widened once, into the 16-bit ring: no copies of the consumers' own
+            kc_smem = k_smem
+            vc_smem = v_smem
+        else:
+            kc_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_N, HEAD_SIZE], kv_layout)
+            vc_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_N, HEAD_SIZE], kv_layout)
     else:
         k8_smem = k_smem
         v8_smem = v_smem
@@ -589,6 +631,11 @@ def hopper_prefill_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)  # every consumer hands the buffer back
+    ready8 = ready  # PRODUCER_WIDENS: the FP8 ring's own barriers (its bytes landed), seen by the producer only
+    if PRODUCER_WIDENS:
+        ready8 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready8.index(i), count=1)
     # Whose turn it is to issue Q K^T (TURNS): the first consumer's barrier starts completed.
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     if TURNS:
@@ -611,21 +658,22 @@ def hopper_prefill_kernel(
     loads = (k_cache, v_cache, k_new, v_new, v_cache_t, (K_cache, stride_kb, stride_kh, stride_kd),
              (V_cache, v_rows_per_block, stride_v_row))
     table = (table_row, table_width, num_blocks)
-    PRODUCER_WARPS: gl.constexpr = 4 if WIDE_PRODUCER and SPLIT else 1
+    PRODUCER_WARPS: gl.constexpr = 4 if (WIDE_PRODUCER and SPLIT) or PRODUCER_WIDENS else 1
     if PINGPONG:
         gl.warp_specialize([
             (_consumer, (q_smem.slice(0, ROWS), ring, output, rows, walk, features, (turn.index(0), turn.index(1)),
                          (kc_smem.index(0), vc_smem.index(0)), kv_scales,
                          HEAD_SIZE, 0, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
-                         TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM)),
+                         TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS)),
             (_consumer, (q_smem.slice(ROWS, ROWS), ring, output, rows, walk, features, (turn.index(1), turn.index(0)),
                          (kc_smem.index(CONSUMERS - 1), vc_smem.index(CONSUMERS - 1)), kv_scales,
                          HEAD_SIZE, ROWS, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
-                         TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM)),
-            (_producer, (loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
-                         HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS)),
+                         TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS)),
+            (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk,
+                         HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
+                         PRODUCER_WIDENS)),
         ], [LAUNCH_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -633,7 +681,8 @@ def hopper_prefill_kernel(
                          (kc_smem.index(0), vc_smem.index(0)), kv_scales,
                          HEAD_SIZE, 0, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
-                         False, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM)),
-            (_producer, (loads, ring, table, kv_head, seq_row0, v_rows_per_block, walk,
-                         HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS)),
+                         False, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS)),
+            (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk,
+                         HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
+                         PRODUCER_WIDENS)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])

@@ -46,7 +46,7 @@ def shared_bytes(shape: ProblemShape, config: TileConfig, schedule: Optional[dic
     if shape.layout == "split" and not schedule["SHARED_V"]:
         total += config.num_stages * tile
     if shape.kv_cache_dtype != "auto":
-        consumers = 2 if schedule["PINGPONG"] else 1
+        consumers = 0 if schedule["PRODUCER_WIDENS"] else 2 if schedule["PINGPONG"] else 1
         total += config.num_stages * 2 * config.block_n * d + consumers * 2 * tile
     return total + 1024
 
@@ -228,7 +228,10 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: (and of the values under ``VT_COPIES``) that one warp issues otherwise; the consumers then hold
 #: :data:`WIDE_CONSUMER_REGS` registers each. ``SHARED_V`` (split layout) keeps the cached tiles' V^T pages and
 #: the new-token tiles' V in one ring (a stage holds one or the other), which saves a third of the split
-#: layout's ring: room for a third stage of 128 keys, or head size 256. Neither is measured yet.
+#: layout's ring: room for a third stage of 128 keys, or head size 256. ``PRODUCER_WIDENS`` (FP8 cache) has a
+#: producer warpgroup widen each cached tile once into the 16-bit ring, up to a ring's depth ahead of the
+#: consumers, instead of each consumer widening its own copy before its MMAs (registers as ``WIDE_PRODUCER``,
+#: with :data:`WIDENING_PRODUCER_REGS` for the producer). None of the three is measured yet.
 #: On the H200 (docs/performance.md, runs 3 and 4; ci/gpu/hopper_check.py, 4 bench workloads x 2 layouts):
 #: heavy-first was at least as fast as index order on every row; ping-pong was 1.00-1.21 x the lockstep loop
 #: and 1.24-1.49 x the portable kernel, the fastest schedule on every NHD row and within 1.3% of ``TURNS`` on
@@ -236,7 +239,7 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: forced; ``TURNS`` was 3-10% slower on NHD; ``OVERLAP`` gave NaN on NHD then (P was overwritten while its
 #: P V ran; fixed since, not yet re-measured).
 SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=False, VT_COPIES=False, WIDE_PRODUCER=False,
-                SHARED_V=False)
+                SHARED_V=False, PRODUCER_WIDENS=False)
 #: Registers per thread of the second consumer partition under ``PINGPONG`` (the first, the kernel's default
 #: partition, keeps what the others leave).
 CONSUMER_REGS = 240
@@ -244,6 +247,9 @@ CONSUMER_REGS = 240
 #: of the consumers beside it: 128 x 56 + 256 x 224 = 64,512 of the SM's 65,536.
 WIDE_PRODUCER_REGS = 56
 WIDE_CONSUMER_REGS = 224
+#: A producer warpgroup that also widens FP8 tiles holds a 16-byte slice of each: 128 x 80 + 256 x 216 = 65,536.
+WIDENING_PRODUCER_REGS = 80
+WIDENING_CONSUMER_REGS = 216
 
 
 def parse_schedule(text: str) -> dict:
@@ -293,7 +299,8 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
     # Only the split layout's copies are shared among the producer's warps (NHD is all TMA, one thread issues).
     schedule["WIDE_PRODUCER"] = bool(schedule["WIDE_PRODUCER"]) and split
     schedule["SHARED_V"] = bool(schedule["SHARED_V"]) and split
-    wide = schedule["WIDE_PRODUCER"]
+    schedule["PRODUCER_WIDENS"] = bool(schedule["PRODUCER_WIDENS"]) and fp8
+    wide, widens = schedule["WIDE_PRODUCER"], schedule["PRODUCER_WIDENS"]
     constexprs = dict(
         HEAD_SIZE=PADDED_HEADS.get(D, D), HEAD_DIM=D, PAGE=p.cache.block_size, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
@@ -306,8 +313,9 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
         SPLIT=split, X=key.shape[4] if split else 8,
         FP8_CACHE=fp8, K_SCALE_PTR=k_from_ptr, V_SCALE_PTR=v_from_ptr,
         # The producer warp of the split layout holds a tile of 16-byte copy addresses.
-        PRODUCER_REGS=WIDE_PRODUCER_REGS if wide else 96 if split and config.num_warps == 8 else 24,
-        CONSUMER_REGS=WIDE_CONSUMER_REGS if wide else CONSUMER_REGS,
+        PRODUCER_REGS=WIDENING_PRODUCER_REGS if widens else WIDE_PRODUCER_REGS if wide
+        else 96 if split and config.num_warps == 8 else 24,
+        CONSUMER_REGS=WIDENING_CONSUMER_REGS if widens else WIDE_CONSUMER_REGS if wide else CONSUMER_REGS,
     )
     # Under PINGPONG the launch's warps are the default partition's: the first consumer warpgroup.
     warps = config.num_warps // 2 if schedule["PINGPONG"] else config.num_warps
