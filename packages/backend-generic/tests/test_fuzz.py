@@ -149,6 +149,19 @@ def test_progress_lines_keep_coming_while_a_case_runs_long():
     assert len(running) >= 2 and running[0].startswith("fuzz: 0/2 cases, case 0 still running")
 
 
+def test_heartbeat_says_still_running_only_when_no_case_finished():
+    """Between two cases that each finish quickly the heartbeat gives the progress line, not "still running"."""
+    import time as clock
+
+    lines = []
+    with ProgressPrinter(100, lines.append, every_s=1.0) as printer:
+        for done in range(1, 91):  # a case every 0.04 s for 3.6 s: only a 1 s stall would be "still running"
+            clock.sleep(0.04)
+            printer(done, FuzzResult(backend="x", device="cpu", seed=0, cases=done))
+    assert not any("still running" in line for line in lines), lines
+    assert len([line for line in lines if "/100 cases, 0 failures" in line]) >= 3, lines
+
+
 def test_heartbeat_names_the_activity_before_the_first_case():
     """While the kernels compile before the run (:func:`precompile`), the heartbeat says so, not "case 0"."""
     import time as clock

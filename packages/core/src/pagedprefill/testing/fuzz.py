@@ -645,7 +645,8 @@ class ProgressPrinter:
 
     Used as a context manager it also keeps the lines coming while one case takes longer than ``every_s`` (a
     kernel compiling, say): a background thread then says which case is running and for how long, or, while
-    :attr:`activity` is set (``"compiling 24 compile keys' kernels in 6 processes"``), what is going on.
+    :attr:`activity` is set (``"compiling 24 compile keys' kernels in 6 processes"``), what is going on. When
+    cases finished since the last line, its line is the ordinary progress line instead.
     """
 
     def __init__(self, total: int, write: Callable[[str], None] = None, every_s: float = 15.0):
@@ -656,32 +657,42 @@ class ProgressPrinter:
         self._started = self._last
         self._failures = 0
         self._done = 0
+        self._done_at_line = 0
+        self._result: Optional[FuzzResult] = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         #: What is going on before the first case (shown by the heartbeat instead of the running case).
         self.activity = ""
 
-    def _line(self, line: str) -> None:
+    def _line(self, line: str, done: Optional[int] = None) -> None:
         with self._lock:
             self._last = time.perf_counter()
+            if done is not None:
+                self._done_at_line = done
             self.write(line)
 
+    def _progress_line(self, done: int, result: FuzzResult) -> str:
+        return (f"fuzz: {done}/{self.total} cases, {len(result.failures)} failures, "
+                f"{result.unsupported} unsupported, {result.seconds:.0f} s")
+
     def __call__(self, done: int, result: FuzzResult) -> None:
-        self._done = done
+        self._done, self._result = done, result
         for failure in result.failures[self._failures:]:
             self._line(failure.one_line())
         self._failures = len(result.failures)
         if time.perf_counter() - self._last >= self.every_s or done == self.total:
-            self._line(f"fuzz: {done}/{self.total} cases, {len(result.failures)} failures, "
-                       f"{result.unsupported} unsupported, {result.seconds:.0f} s")
+            self._line(self._progress_line(done, result), done)
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.every_s / 4):
             if time.perf_counter() - self._last >= self.every_s:
                 elapsed = time.perf_counter() - self._started
+                done, result = self._done, self._result
                 if self.activity:
                     self._line(f"fuzz: {self.activity}, {elapsed:.0f} s")
+                elif done > self._done_at_line and result is not None:  # cases are finishing: no case is stuck
+                    self._line(self._progress_line(done, result), done)
                 else:
                     self._line(f"fuzz: {self._done}/{self.total} cases, case {self._done} still running "
                                f"(compiling or computing), {elapsed:.0f} s")
