@@ -83,8 +83,10 @@ def hopper_config(shape: ProblemShape) -> TileConfig:
 
     * head size up to 128, cache in the input dtype, NHD layout or a long prefill: 128 keys per step in a 2-deep
       ring (half the per-step work outside the MMAs: block-table reads, masks, the softmax's row reductions);
-    * other calls up to 128: 64 keys in a 3-deep ring (the split layout's short and cached rows measured no
-      faster with 128 keys), 2-deep with an FP8 cache (its widened K/V take the room of the third stage);
+    * the split layout's short calls: 64 keys in a 3-deep ring (128 keys were 3.5% slower on its many-short row
+      in run 5; its long calls were level with 128 keys on cached rows and 7.8% faster on the long prefill in
+      run 6);
+    * an FP8 cache: 64 keys in a 2-deep ring (each consumer's widened K/V take the room of a third stage);
     * head size 256: 64 keys in a 2-deep ring (the accumulator and K/V tiles are twice as large).
     """
     heads = max(1, min(shape.group_size, 4 if shape.workload == "short" else 2))
