@@ -44,6 +44,7 @@ CASES = {
     "split": dict(layout="split"), "split_d64": dict(layout="split", head_size=64),
     "split_bs64": dict(layout="split", block_size=64), "split_window_alibi": dict(layout="split", sliding_window=100,
                                                                                    alibi=True),
+    "split_d256": dict(layout="split", head_size=256),  # on the Hopper kernel under --schedule SHARED_V=1 only
     "split_kv_in_cache": dict(layout="split", kv_in_cache=True), "split_long": dict(layout="split",
                                                                                     query_lens=(1500, 700),
                                                                                     context_lens=(2500, 3000)),

@@ -69,9 +69,9 @@ def shape_unfit_reason(shape: ProblemShape, config: TileConfig, max_shared: Opti
     if shape.head_size in PADDED_HEADS and shape.layout != "nhd":
         return f"reads head size {shape.head_size} (padded to {PADDED_HEADS[shape.head_size]}) in the NHD layout " \
                f"only, not {shape.layout}"
-    if shape.layout == "split" and shape.head_size > 128:
-        return f"reads the split layout for head sizes up to 128 (its value ring takes shared memory), not " \
-               f"{shape.head_size}"
+    if shape.layout == "split" and shape.head_size > 128 and not SCHEDULE["SHARED_V"]:
+        return f"reads the split layout for head sizes up to 128 (its value ring takes shared memory; the " \
+               f"SHARED_V schedule makes room), not {shape.head_size}"
     page, block_n = shape.block_size, config.block_n
     smallest = 16 if shape.layout == "split" else 8  # a V^T page box is at least one 32-byte swizzle atom wide
     if page < smallest or page & (page - 1) or not (block_n % page == 0 or page % block_n == 0):
