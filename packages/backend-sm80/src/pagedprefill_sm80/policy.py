@@ -90,14 +90,14 @@ def hopper_config(shape: ProblemShape) -> TileConfig:
     * head size 256: 64 keys in a 2-deep ring (the accumulator and K/V tiles are twice as large).
     """
     heads = max(1, min(shape.group_size, 4 if shape.workload == "short" else 2))
-    if shape.head_size_padded > 128:
-        return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, heads_per_tile=heads, kernel="hopper")
-    if shape.kv_cache_dtype != "auto":
-        return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, heads_per_tile=heads, kernel="hopper")
-    if shape.layout == "nhd" or shape.workload == "long":
-        return TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=2, heads_per_tile=heads,
-                          kernel="hopper")
-    return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, heads_per_tile=heads, kernel="hopper")
+    if shape.head_size_padded > 128 or shape.kv_cache_dtype != "auto":
+        block_n, stages = 64, 2
+    elif shape.layout == "nhd" or shape.workload == "long":
+        block_n, stages = 128, 2
+    else:
+        block_n, stages = 64, 3
+    return TileConfig(block_m=128, block_n=block_n, num_warps=8, num_stages=stages, heads_per_tile=heads,
+                      kernel="hopper")
 
 
 def hopper_unfit_reason(shape: ProblemShape, device: DeviceInfo) -> Optional[str]:
@@ -175,8 +175,7 @@ def hopper_search_space(shape: ProblemShape, device: DeviceInfo) -> list[TileCon
     out = [rule]
     for block_n, stages in ((64, 3), (128, 2), (64, 2), (128, 3)):
         for heads in sorted({1, rule.heads_per_tile}):
-            cfg = TileConfig(block_m=128, block_n=block_n, num_warps=8, num_stages=stages, heads_per_tile=heads,
-                             kernel="hopper")
+            cfg = rule.with_(block_n=block_n, num_stages=stages, heads_per_tile=heads)
             if cfg not in out and shape_unfit_reason(shape, cfg, device.max_shared_mem) is None:
                 out.append(cfg)
     return out
