@@ -2,7 +2,7 @@
 its speed against the portable kernel on the bench suite's NHD workloads (same run, same data).
 
 Usage: python ci/gpu/hopper_check.py [--quick] [--reps MS] [--rounds N] [--only NAME,...] [--variants LABEL,...]
-                                    [--schedule PINGPONG=1]
+                                    [--layouts nhd,split] [--warm N] [--schedule PINGPONG=1]
 Each case prints one line; the last lines are a table. Exit status 1 when a case misses the tolerance.
 """
 
@@ -99,9 +99,12 @@ VARIANTS = [
     ("pingpong-shared-v", {}, dict(HEAVY_FIRST=True, PINGPONG=True, SHARED_V=True)),
     ("pingpong-shared-v-n128-s3", dict(block_n=128, num_stages=3),
      dict(HEAVY_FIRST=True, PINGPONG=True, SHARED_V=True)),
+    ("pingpong-shared-v-wide-producer", {}, dict(HEAVY_FIRST=True, PINGPONG=True, SHARED_V=True, WIDE_PRODUCER=True)),
     # FP8 caches widened once by a producer warpgroup (the consumers' copies freed: room for 3 stages).
     ("pingpong-producer-widens", {}, dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=True)),
     ("pingpong-producer-widens-s3", dict(num_stages=3), dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=True)),
+    # Each consumer widening its own copy of an FP8 tile (the default before run 7).
+    ("pingpong-consumers-widen", {}, dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=False)),
     ("pingpong-overlap", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=True)),
     ("pingpong-overlap-turns", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=True, OVERLAP=True)),
     # 128 keys per step in a 2-deep ring: the policy's tile for NHD and long prefills up to head size 128 since
@@ -144,13 +147,16 @@ def timed_rounds(plans: list, problem, f: float, reps: int, rounds: int) -> list
 
 
 def timings(info, backend, reps: int, quick: bool, block_size: int = 0, only: tuple = (),
-            rounds: int = 1, variants: list = VARIANTS) -> list[tuple]:
+            rounds: int = 1, variants: list = VARIANTS, layouts: tuple = ("nhd", "split"),
+            part: tuple = (0, 1), compile_only: bool = False) -> list[tuple]:
     """TFLOP/s of the portable kernel and of each Hopper variant on the same data, with each variant's largest
     error against the reference (computed once per workload). ``block_size`` replaces the workloads' own
     (16) when given: the split layout's value pages are TMA boxes one page wide, so the page size sets how wide
     each box and its shared-memory swizzle are. ``only``: the workloads whose name contains one of these.
     ``rounds``: alternating rounds per workload (:func:`timed_rounds`). ``variants``: the columns after the
-    portable kernel's (each compiles its own kernel per workload)."""
+    portable kernel's (each compiles its own kernel per workload). ``layouts``: the cache layouts timed.
+    ``part`` = (i, n): only every n-th (workload, layout) pair from the i-th on. ``compile_only``: launch each
+    plan once and time nothing (for :func:`warm_compiles`, which fills Triton's cache side by side)."""
     from pagedprefill.backends.triton_base import problem_shape
     from pagedprefill_sm80.hopper.launch import bind_hopper
     from pagedprefill_sm80.policy import hopper_config, hopper_unfit_reason
@@ -162,11 +168,13 @@ def timings(info, backend, reps: int, quick: bool, block_size: int = 0, only: tu
         suite = [wl for wl in suite if any(part in wl.name for part in only)]
         if not suite:
             raise SystemExit(f"hopper_check: --only {','.join(only)} matches no workload of the bench suite")
-    for wl, layout in [(wl, layout) for wl in suite for layout in ("nhd", "split")]:
+    pairs = [(wl, layout) for wl in suite for layout in layouts][part[0]::part[1]]
+    for wl, layout in pairs:
         spec = wl.spec.replace(layout=layout, **({"block_size": block_size} if block_size else {}))
         problem = make_problem(spec, "cuda")
-        expect = fresh_output(problem)
-        ref.run(expect, info)
+        if not compile_only:
+            expect = fresh_output(problem)
+            ref.run(expect, info)
         f = flops(spec)
         shape = problem_shape(problem)
         fits = backend.kernel_for(problem, info)
@@ -185,6 +193,13 @@ def timings(info, backend, reps: int, quick: bool, block_size: int = 0, only: tu
                 columns.append(bind_hopper(problem, hopper_config(shape).with_(**tile), shape, schedule))
             except Exception as exc:
                 columns.append(f"- ({type(exc).__name__}: {str(exc)[:60]})")
+        if compile_only:
+            for plan in columns:
+                if callable(plan):
+                    plan(problem)
+            torch.cuda.synchronize()
+            print(f"compiled {wl.name} {layout}", flush=True)
+            continue
         errors = {}
         for i, plan in enumerate(columns):
             if callable(plan):
@@ -201,6 +216,28 @@ def timings(info, backend, reps: int, quick: bool, block_size: int = 0, only: tu
         del problem, expect, columns
         torch.cuda.empty_cache()
     return rows
+
+
+def warm_compiles(argv: list, workers: int) -> None:
+    """Compile every kernel the timing needs in ``workers`` processes at once (each a share of the workload and
+    layout pairs, launched once): Triton's on-disk cache then hands them to the timing, which would otherwise
+    compile them one after another."""
+    import subprocess
+
+    started = time.time()
+    own, skip = [], False
+    for arg in argv:  # everything but --warm N / --warm=N
+        if not skip and not arg.startswith("--warm"):
+            own.append(arg)
+        skip = arg == "--warm"
+    procs = [subprocess.Popen([sys.executable, __file__, *own, "--no-correctness", f"--part={i}/{workers}",
+                               "--compile-only"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(workers)]
+    for i, proc in enumerate(procs):
+        out, _ = proc.communicate()
+        if proc.returncode != 0:
+            print(f"warm part {i}/{workers} exited {proc.returncode}:\n{out[-2000:]}", flush=True)
+    print(f"compiled in {workers} processes in {time.time() - started:.0f} s", flush=True)
 
 
 def main(argv=None) -> int:
@@ -222,7 +259,16 @@ def main(argv=None) -> int:
                         help="time the workloads with cache pages of N tokens instead of their own 16")
     parser.add_argument("--schedule", default="", metavar="NAME=0|1,...",
                         help="check correctness with these schedule flags of the Hopper kernel (e.g. PINGPONG=1)")
+    parser.add_argument("--layouts", default="nhd,split", metavar="LAYOUT,...", help="the cache layouts timed")
+    parser.add_argument("--warm", type=int, default=0, metavar="N",
+                        help="compile the timed kernels in N processes at once before timing")
+    parser.add_argument("--part", default="0/1", metavar="I/N", help=argparse.SUPPRESS)
+    parser.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    layouts = tuple(part for part in args.layouts.split(",") if part)
+    if set(layouts) - {"nhd", "split"}:
+        parser.error(f"--layouts: expected nhd and/or split, got {args.layouts}")
+    part = tuple(int(x) for x in args.part.split("/"))
     wanted = [part for part in args.variants.split(",") if part]
     labels = [v[0] for v in VARIANTS]
     if set(wanted) - set(labels):
@@ -245,10 +291,18 @@ def main(argv=None) -> int:
           f"plan bit-identical | verdict")
     for r in rows:
         print("| " + " | ".join(str(c) for c in r) + " |")
+    if args.warm > 1 and not args.no_timing:
+        warm_compiles(sys.argv[1:] if argv is None else list(argv), args.warm)
+    if args.compile_only:
+        only = tuple(p for p in args.only.split(",") if p)
+        timings(info, backend, args.reps, args.quick, args.block_size, only, args.rounds, variants, layouts, part,
+                compile_only=True)
+        return 0
     if not args.no_timing:
         print("\nTFLOP/s, same data: workload | portable | " + " | ".join(v[0] for v in variants))
         only = tuple(part for part in args.only.split(",") if part)
-        for r in timings(info, backend, args.reps, args.quick, args.block_size, only, args.rounds, variants):
+        for r in timings(info, backend, args.reps, args.quick, args.block_size, only, args.rounds, variants,
+                         layouts):
             print("| " + " | ".join(r) + " |")
     return 0 if all(r[-1] == "ok" for r in rows) else 1
 
