@@ -132,6 +132,7 @@ SCHEDULES = {
     "pingpong-wide-producer": dict(HEAVY_FIRST=True, PINGPONG=True, WIDE_PRODUCER=True),
     "pingpong-shared-v": dict(HEAVY_FIRST=True, PINGPONG=True, SHARED_V=True),
     "pingpong-producer-widens": dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=True),
+    "pingpong-consumers-widen": dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=False),
 }
 
 

@@ -231,7 +231,13 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: layout's ring: room for a third stage of 128 keys, or head size 256. ``PRODUCER_WIDENS`` (FP8 cache) has a
 #: producer warpgroup widen each cached tile once into the 16-bit ring, up to a ring's depth ahead of the
 #: consumers, instead of each consumer widening its own copy before its MMAs (registers as ``WIDE_PRODUCER``,
-#: with :data:`WIDENING_PRODUCER_REGS` for the producer). None of the three is measured yet.
+#: with :data:`WIDENING_PRODUCER_REGS` for the producer).
+#: Run 7 (H200, docs/performance.md): ``PRODUCER_WIDENS`` passed hopper_check.py's 37 cases and was 1.12 x the
+#: consumers widening their own copies on the FP8 row (266.9 vs 238.6 TFLOP/s): on by default.
+#: ``WIDE_PRODUCER`` passed them too and was 0.97 x (355.1 vs 365.8 on the split prefix-cached row): off.
+#: ``SHARED_V`` gave wrong results and an illegal-address fault on the split cases, although its PTX differs
+#: from the passing two-ring kernel's only in where the rings and the Q tile sit: off, and the split layout at
+#: head size 256 stays on the portable kernel.
 #: On the H200 (docs/performance.md, runs 3 and 4; ci/gpu/hopper_check.py, 4 bench workloads x 2 layouts):
 #: heavy-first was at least as fast as index order on every row; ping-pong was 1.00-1.21 x the lockstep loop
 #: and 1.24-1.49 x the portable kernel, the fastest schedule on every NHD row and within 1.3% of ``TURNS`` on
@@ -239,7 +245,7 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: forced; ``TURNS`` was 3-10% slower on NHD; ``OVERLAP`` gave NaN on NHD then (P was overwritten while its
 #: P V ran; fixed since, not yet re-measured).
 SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=False, VT_COPIES=False, WIDE_PRODUCER=False,
-                SHARED_V=False, PRODUCER_WIDENS=False)
+                SHARED_V=False, PRODUCER_WIDENS=True)
 #: Registers per thread of the second consumer partition under ``PINGPONG`` (the first, the kernel's default
 #: partition, keeps what the others leave).
 CONSUMER_REGS = 240
