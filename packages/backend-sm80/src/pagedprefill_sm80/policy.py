@@ -9,8 +9,9 @@ Lookup order for a problem key (see :func:`pagedprefill.tuning.table_key`):
    packed two per tile (four for short queries) so each K/V tile serves several heads, and pipelining
    depth from the device's shared memory.
 
-Every result goes through :func:`pagedprefill.tiling.shrink_to_fit` against the device's shared memory,
-so sm80 (163 KiB), sm86/sm89 (99 KiB) and sm90 (227 KiB) parts all get tiles they can hold.
+Every portable tile goes through :func:`pagedprefill.tiling.shrink_to_fit` against the device's shared memory,
+so sm80 (163 KiB), sm86/sm89 (99 KiB) and sm90 (227 KiB) parts all get tiles they can hold; a Hopper tile is
+checked against that kernel's own model instead (:func:`pagedprefill_sm80.hopper.launch.shared_bytes`).
 
 Which kernel runs the tile (:func:`choose_kernel`): on sm90, the warp-specialised Hopper kernel
 (:mod:`pagedprefill_sm80.hopper`) for the shapes it takes and was measured faster on (``auto``, the
@@ -28,7 +29,7 @@ from importlib import resources
 from typing import Optional
 
 from pagedprefill.device import DeviceInfo
-from pagedprefill.tiling import ProblemShape, TileConfig, shrink_to_fit
+from pagedprefill.tiling import ProblemShape, TileConfig, settle, shrink_to_fit
 from pagedprefill.tuning import load_table, lookup, table_key, user_table_path
 
 #: Environment variable that picks the kernel on sm90: ``auto`` (the policy's choice), ``hopper`` or ``portable``.
@@ -161,7 +162,10 @@ def sm80_policy(shape: ProblemShape, device: DeviceInfo) -> TileConfig:
 
         if config is None or shape_unfit_reason(shape, config, device.max_shared_mem) is not None:
             config = hopper_config(shape)
-        return shrink_to_fit(config, shape, device)
+        # Its fit was checked against the Hopper kernel's own shared-memory model (shape_unfit_reason): the
+        # portable kernel's (shrink_to_fit) counts buffers this kernel does not allocate and would drop a stage
+        # from a tile that fits (128 keys in 3 stages at head size 128: 225 KiB).
+        return settle(config, shape)
     if config is None:
         config = rule_config(shape, device)
     return shrink_to_fit(config, shape, device)
