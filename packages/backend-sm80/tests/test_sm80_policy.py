@@ -126,6 +126,28 @@ def test_a_tuned_hopper_tile_that_fits_runs_as_measured(tmp_path, monkeypatch):
     assert sm80_policy(shape, H200) == tuned
 
 
+def test_calls_the_hopper_kernel_does_not_take_get_a_portable_tile_that_fits(tmp_path, monkeypatch):
+    """Where the policy's tile is a Hopper tile the portable kernel cannot hold (128 keys in 3 stages), a call
+    that falls back to the portable kernel (tensors a TMA view cannot address) runs the portable kernel's own
+    tile, and the dispatch's shared-memory check looks at that tile: the call is not refused."""
+    from pagedprefill.backends.triton_base import problem_shape
+    from pagedprefill.workloads import BatchSpec, make_problem
+
+    problem = make_problem(BatchSpec(query_lens=(64,) * 8, context_lens=(40,) * 8, num_heads=32, num_kv_heads=8,
+                                     head_size=128, block_size=16, dtype=torch.bfloat16, layout="nhd"))
+    shape = problem_shape(problem)
+    tuned = TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, heads_per_tile=4, kernel="hopper")
+    _write_user_table(tmp_path, monkeypatch, {table_key(shape, H200): tuned})
+    backend = Sm80Backend()
+    assert backend.tile_config(shape, H200) == tuned
+    fallback = backend.portable_tile(shape, H200)
+    assert fallback.kernel == "portable" and fallback.shared_mem_bytes(128, 2) <= H200.max_shared_mem
+    monkeypatch.setenv(KERNEL_ENV, "portable")
+    assert fallback == backend.tile_config(shape, H200)  # the tile the portable kernel runs when forced
+    monkeypatch.delenv(KERNEL_ENV)
+    backend.check_problem(problem, H200)  # raised "needs 262144 bytes ... even with the smallest tile" before
+
+
 @pytest.mark.parametrize("head_size,layout,kv", [(64, "nhd", "auto"), (128, "nhd", "auto"), (128, "split", "auto"),
                                                  (96, "nhd", "auto"), (256, "nhd", "auto"), (128, "nhd", "fp8_e4m3")])
 @pytest.mark.parametrize("num_tokens,num_seqs", [(4096, 4), (64 * 128, 64)])

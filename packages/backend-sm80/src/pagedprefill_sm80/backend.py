@@ -3,13 +3,15 @@ kernel of its own for sm90 (:mod:`pagedprefill_sm80.hopper`) where the policy ch
 
 from __future__ import annotations
 
+import functools
+
 from pagedprefill.backends.triton_base import TritonBackend, problem_shape
 from pagedprefill.device import DeviceInfo
 from pagedprefill.tiling import ProblemShape, TileConfig
 from pagedprefill.tuning import tables_state
 from pagedprefill.types import PrefillProblem
 
-from .policy import choose_kernel, kernel_preference, search_space, sm80_policy
+from .policy import choose_kernel, kernel_preference, portable_config, search_space, sm80_policy
 
 MIN_CAPABILITY = (8, 0)
 
@@ -35,6 +37,18 @@ class Sm80Backend(TritonBackend):
     def tile_config(self, shape: ProblemShape, device: DeviceInfo) -> TileConfig:
         """The policy's tile, remembered per shape, device, tuned tables and kernel preference."""
         return self._policy_memo(shape, device, (tables_state(), kernel_preference()))
+
+    def portable_tile(self, shape: ProblemShape, device: DeviceInfo) -> TileConfig:
+        """Core's kernel runs the policy's tile, or where the policy chose the Hopper kernel (and a call falls
+        back: tensors a TMA view cannot address) the portable kernel's own tile for the shape."""
+        config = self.tile_config(shape, device)
+        if config.kernel != "hopper":
+            return config
+        return self._portable_memo(shape, device, tables_state())
+
+    @functools.cached_property
+    def _portable_memo(self):
+        return functools.lru_cache(maxsize=1024)(lambda shape, device, tables: portable_config(shape, device))
 
     def kernel_choice(self, shape: ProblemShape, device: DeviceInfo) -> tuple[str, str]:
         return choose_kernel(shape, device)

@@ -156,18 +156,23 @@ def tuned_config(shape: ProblemShape, device: DeviceInfo, kernel: str) -> Option
 
 def sm80_policy(shape: ProblemShape, device: DeviceInfo) -> TileConfig:
     kernel, _ = choose_kernel(shape, device)
-    config = tuned_config(shape, device, kernel)
     if kernel == "hopper":
         from .hopper.launch import shape_unfit_reason
 
+        config = tuned_config(shape, device, kernel)
         if config is None or shape_unfit_reason(shape, config, device.max_shared_mem) is not None:
             config = hopper_config(shape)
         # Its fit was checked against the Hopper kernel's own shared-memory model (shape_unfit_reason): the
         # portable kernel's (shrink_to_fit) counts buffers this kernel does not allocate and would drop a stage
         # from a tile that fits (128 keys in 3 stages at head size 128: 225 KiB).
         return settle(config, shape)
-    if config is None:
-        config = rule_config(shape, device)
+    return portable_config(shape, device)
+
+
+def portable_config(shape: ProblemShape, device: DeviceInfo) -> TileConfig:
+    """The portable kernel's tile for ``shape``: its measured entry, else :func:`rule_config`, shrunk to the
+    device's shared memory."""
+    config = tuned_config(shape, device, "portable") or rule_config(shape, device)
     return shrink_to_fit(config, shape, device)
 
 

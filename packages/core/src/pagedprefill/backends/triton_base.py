@@ -71,6 +71,11 @@ class TritonBackend(Backend):
         and a table written by ``pagedprefill tune`` (or forgotten) is used from the next launch on."""
         return self._policy_memo(shape, device, tables_state())
 
+    def portable_tile(self, shape: ProblemShape, device: DeviceInfo) -> TileConfig:
+        """The tile core's kernel runs for ``shape``: the policy's. A subclass whose policy can pick a tile of a
+        kernel of its own returns one that core's kernel holds, for the calls that kernel does not take."""
+        return self.tile_config(shape, device)
+
     def kernel_for(self, problem: PrefillProblem, device: DeviceInfo) -> str:
         """``"portable"``: core's Triton kernel (a subclass with kernels of its own says which runs)."""
         return "portable"
@@ -92,7 +97,7 @@ class TritonBackend(Backend):
         if device.type == "cpu" or not device.max_shared_mem:
             return
         shape = problem_shape(problem)
-        config = self.tile_config(shape, device)
+        config = self.portable_tile(shape, device)  # the fallback of any kernel of a subclass's own
         need = config.shared_mem_bytes(shape.head_size, shape.element_size)
         if need > device.max_shared_mem:
             raise UnsupportedFeatureError(
@@ -104,7 +109,7 @@ class TritonBackend(Backend):
         from ..triton.launch import launch_prefill
 
         shape = problem_shape(problem)
-        launch_prefill(problem, self.tile_config(shape, device), shape)
+        launch_prefill(problem, self.portable_tile(shape, device), shape)
 
     def run_tile(self, problem: PrefillProblem, config: TileConfig, device: DeviceInfo) -> None:
         """Run ``problem`` on core's kernel with the tile ``config`` (for ``pagedprefill tune``)."""
@@ -118,7 +123,7 @@ class TritonBackend(Backend):
         from ..triton.launch import bind_launch, call_tensors
 
         shape = problem_shape(problem)
-        bound = bind_launch(problem, self.tile_config(shape, device), shape)
+        bound = bind_launch(problem, self.portable_tile(shape, device), shape)
         if bound is None:  # nothing to launch, or a driver without direct launches: already run by the JIT
             return self.run_again(device)
 

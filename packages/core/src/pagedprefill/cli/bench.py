@@ -9,8 +9,9 @@ causal and window parts counted exactly. Each backend's first call per workload 
 own (it includes compiling the kernel's specialisation unless Triton's cache already holds it).
 
 The host-overhead row times 2000 calls on a tiny batch without synchronising (so the host is the limit):
-the public drop-in ``context_attention_fwd``, against a bare Triton launch of the same kernel with its
-arguments prepared once (what a hand-written launch of such a kernel costs).
+the public drop-in ``context_attention_fwd``, against a bare Triton launch of core's kernel with its
+arguments prepared once (what a hand-written launch of such a kernel costs; a backend's own kernel, such as
+sm80's Hopper kernel, takes a launch of the same kind).
 """
 
 from __future__ import annotations
@@ -108,7 +109,9 @@ def run_suite(backends: list[str], workloads: list[Workload], device: torch.devi
                     continue
                 try:
                     check_runnable(backend, problem, info)
-                except Exception:
+                except Exception as exc:  # said, not silently left out of the table
+                    if progress:
+                        progress(f"    {_layouts_label(name, layout, layouts):<20} not run: {exc}")
                     continue
                 label = _layouts_label(name, layout, layouts)
                 impls[label] = lambda n=name, pr=problem: dispatch(pr, backend=n)
@@ -150,7 +153,7 @@ def run_suite(backends: list[str], workloads: list[Workload], device: torch.devi
 
 def host_overhead(device: torch.device, backend: str, layout: str = "split", calls: int = 2000,
                   rounds: int = 7) -> dict:
-    """Microseconds per call on a tiny batch, host-bound: the drop-in, and a bare launch of the same kernel.
+    """Microseconds per call on a tiny batch, host-bound: the drop-in, and a bare launch of core's kernel.
 
     The bare launch exists only for backends built on core's Triton kernel (None otherwise). Each is timed in
     ``rounds`` rounds of ``calls / rounds`` calls without synchronising, the two alternating round by round so
@@ -178,7 +181,7 @@ def host_overhead(device: torch.device, backend: str, layout: str = "split", cal
         from ..triton.launch import kernel_call
 
         info = DeviceInfo.detect(device)
-        call = kernel_call(p, chosen.tile_config(problem_shape(p), info))
+        call = kernel_call(p, chosen.portable_tile(problem_shape(p), info))
         timed["bare_launch_us"] = lambda: prefix_prefill_kernel[call.grid](*call.args, **call.kwargs)
     per_round = max(1, calls // rounds)
     samples = {name: [] for name in timed}
@@ -215,7 +218,7 @@ def format_table(rows: list[dict], field: str = "tflops", fmt: str = "{:.1f}") -
 
 def format_overhead(results: list[dict]) -> str:
     """The host-overhead table: the median round of each, with the fastest and slowest rounds."""
-    lines = ["| backend | layout | drop-in context_attention_fwd | bare Triton launch, same kernel |",
+    lines = ["| backend | layout | drop-in context_attention_fwd | bare Triton launch, core's kernel |",
              "| --- | --- | ---: | ---: |"]
 
     def cell(r: dict, name: str) -> str:
