@@ -130,13 +130,10 @@ def timed_rounds(plans: list, problem, f: float, reps: int, rounds: int) -> list
     machine's speed during the rounds falls on every plan alike; with several rounds the slowest and fastest
     round follow in brackets."""
     import triton.testing
+    from pagedprefill.timing import alternating_rounds
 
-    times = [[] for _ in plans]
-    for r in range(rounds):
-        order = range(len(plans)) if r % 2 == 0 else reversed(range(len(plans)))
-        for i in order:
-            times[i].append(triton.testing.do_bench(lambda p=plans[i]: p(problem), warmup=25, rep=reps,
-                                                    return_mode="median"))
+    times = alternating_rounds([lambda p=plan: p(problem) for plan in plans], rounds,
+                               lambda fn: triton.testing.do_bench(fn, warmup=25, rep=reps, return_mode="median"))
     out = []
     for ms in times:
         text = f"{f / statistics.median(ms) / 1e9:.1f}"
