@@ -45,6 +45,10 @@ CASES = {
     "split_bs64": dict(layout="split", block_size=64), "split_window_alibi": dict(layout="split", sliding_window=100,
                                                                                    alibi=True),
     "split_d256": dict(layout="split", head_size=256),  # on the Hopper kernel under --schedule SHARED_V=1 only
+    "split_d96": dict(layout="split", head_size=96),
+    "split_d96_mqa_features": dict(layout="split", head_size=96, num_kv_heads=1, sliding_window=100, alibi=True,
+                                   sinks=True, fp8_out_scale=0.25),
+    "split_d96_kv_in_cache": dict(layout="split", head_size=96, kv_in_cache=True, block_size=32),
     "split_kv_in_cache": dict(layout="split", kv_in_cache=True), "split_long": dict(layout="split",
                                                                                     query_lens=(1500, 700),
                                                                                     context_lens=(2500, 3000)),

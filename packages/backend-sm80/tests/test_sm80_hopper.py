@@ -45,7 +45,8 @@ def test_forced_hopper_kernel_takes_the_shapes_it_is_built_for(monkeypatch):
                     {"num_kv_heads": 8}, {"layout": "split"}, {"layout": "split", "head_size": 64},
                     {"sliding_window": 7, "alibi": True, "softcap": 5.0, "sinks": True},
                     {"kv_cache_dtype": "fp8_e4m3"}, {"kv_cache_dtype": "fp8_e5m2", "head_size": 64},
-                    {"head_size": 96}, {"head_size": 96, "kv_cache_dtype": "fp8_e4m3"}):
+                    {"head_size": 96}, {"head_size": 96, "kv_cache_dtype": "fp8_e4m3"},
+                    {"head_size": 96, "layout": "split"}):
         kernel, why = choose_kernel(shape(**changes), H200)
         assert (kernel, why) == ("hopper", f"{KERNEL_ENV}=hopper"), changes
         config = Sm80Backend().tile_config(shape(**changes), H200)
@@ -58,7 +59,6 @@ def test_forced_hopper_kernel_takes_the_shapes_it_is_built_for(monkeypatch):
     ({"kv_cache_dtype": "fp8_e4m3", "layout": "split"}, "FP8 cache in the NHD layout"),
     ({"kv_cache_dtype": "fp8_e4m3", "head_size": 256}, "head sizes up to 128"),
     ({"dtype": torch.float32}, "float32"),
-    ({"head_size": 96, "layout": "split"}, "head size 96 (padded to 128) in the NHD layout only"),
     ({"head_size": 80}, "head sizes"),
     ({"block_size": 4}, "block size"),
     ({"block_size": 48}, "block size"),
@@ -117,6 +117,8 @@ COMPILED = {
     "fp8-e5m2-d64-vllm-options": {"kv_cache_dtype": "fp8_e5m2", "head_size": 64, "kv_in_cache": True,
                                   "causal": False, "sliding_window": 9, "scale_as_tensor": True},
     "split": {"layout": "split"}, "split-block64": {"layout": "split", "block_size": 64},
+    "split-d96-features": {"layout": "split", "head_size": 96, "num_kv_heads": 1, "sliding_window": 20,
+                           "alibi": True, "sinks": True},
     "split-vllm-options": {"layout": "split", "kv_in_cache": True, "causal": False, "sliding_window": 9},
 }
 
@@ -324,6 +326,17 @@ def test_schedule_flags_parse_by_name():
     for bad in ("PINGPONG", "PINGPONG=yes", "PING=1"):
         with pytest.raises(ValueError, match=f"schedule: expected NAME=0 or NAME=1 .*got '{bad}'"):
             parse_schedule(bad)
+
+
+def test_auto_leaves_a_route_not_yet_run_on_a_gpu_to_the_portable_kernel(monkeypatch):
+    """Head size 96 in the split layout is built and compiled, and runs when asked for; ``auto`` keeps it on the
+    portable kernel, with the reason, until the suites have passed on a GPU."""
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    kernel, why = choose_kernel(shape(head_size=96, layout="split"), H200)
+    assert kernel == "portable" and "only when asked for" in why and "passed the suites on a GPU" in why, why
+    assert choose_kernel(shape(head_size=96), H200)[0] == "hopper"  # NHD: verified (run 5)
+    monkeypatch.setenv(KERNEL_ENV, "hopper")
+    assert choose_kernel(shape(head_size=96, layout="split"), H200) == ("hopper", f"{KERNEL_ENV}=hopper")
 
 
 def test_auto_picks_it_only_where_it_measured_faster(monkeypatch):

@@ -103,13 +103,15 @@ def _pages(table, pos, PAGE: gl.constexpr):
 @gluon.jit
 def _split_keys_async(split_keys, k_dst, table, kv_head, n0,
                       HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, X: gl.constexpr,
-                      WARPS: gl.constexpr):
+                      WARPS: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Copy one tile of cached keys from the split layout ``[blocks, Hkv, D / X, PAGE, X]`` into the
     ``[BLOCK_N, D]`` tile the QK^T MMA reads, 16 bytes (one ``X`` vector) per asynchronous copy.
 
     The split layout has no 2-D view a TMA box could take, so the producer's ``WARPS`` warps copy: their lanes
     walk along the slots of a page, where consecutive ``X`` vectors of one ``d // X`` group are contiguous.
     ``split_keys`` is ``(K_cache, stride_block, stride_head, stride_group)``, strides multiples of ``X``.
+    A head of ``HEAD_DIM`` < ``HEAD_SIZE`` columns (96 on a 128-wide tile) fills the columns past it with zeros
+    (masked copies read nothing there), so that they add nothing to the scores.
     """
     K_cache, stride_kb, stride_kh, stride_kd = split_keys
     LANES_N: gl.constexpr = 16 if BLOCK_N >= 16 else BLOCK_N
@@ -121,16 +123,22 @@ def _split_keys_async(split_keys, k_dst, table, kv_head, n0,
     row_off = pages * aligned(stride_kb, X) + kv_head.to(gl.int64) * aligned(stride_kh, X) + (pos % PAGE) * X
     col_off = (offs_d // X) * aligned(stride_kd, X) + offs_d % X
     ptrs = K_cache + gl.expand_dims(row_off, 1) + gl.expand_dims(col_off, 0)
-    async_copy.async_copy_global_to_shared(k_dst, ptrs)
+    if HEAD_DIM < HEAD_SIZE:
+        in_head = gl.expand_dims(offs_n >= 0, 1) & gl.expand_dims(offs_d < HEAD_DIM, 0)
+        async_copy.async_copy_global_to_shared(k_dst, ptrs, mask=in_head)
+    else:
+        async_copy.async_copy_global_to_shared(k_dst, ptrs)
 
 
 @gluon.jit
 def _split_values_async(split_values, vt_dst, table, kv_head, n0,
-                        HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, WARPS: gl.constexpr):
+                        HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, WARPS: gl.constexpr,
+                        HEAD_DIM: gl.constexpr):
     """Copy one tile of cached values from the split layout (``[blocks, Hkv, D, PAGE]``: a page of one head is
     ``D`` rows of ``PAGE`` slots) into ``vt_dst`` (``[D, BLOCK_N]``, V^T in the MMA's own swizzle), 16 bytes
     of consecutive slots per asynchronous copy. ``split_values`` is ``(V_cache, rows per block, row stride)``:
-    the cache seen as ``[blocks x Hkv x D, PAGE]`` rows, as its TMA view is."""
+    the cache seen as ``[blocks x Hkv x D, PAGE]`` rows, as its TMA view is. Rows past a padded head
+    (``HEAD_DIM`` < ``HEAD_SIZE``) are masked: the copies fill them with zeros and read nothing."""
     V_cache, rows_per_block, stride_row = split_values
     VEC: gl.constexpr = 8  # 16 bytes of 16-bit values; PAGE >= 16 keeps a vector inside one page
     LANES_N: gl.constexpr = BLOCK_N // VEC
@@ -139,10 +147,14 @@ def _split_values_async(split_values, vt_dst, table, kv_head, n0,
     offs_n = gl.arange(0, BLOCK_N, gl.SliceLayout(0, v_ld))
     pos = n0 + offs_n
     pages = _pages(table, pos, PAGE).to(gl.int64)
-    rows = pages * rows_per_block + kv_head.to(gl.int64) * HEAD_SIZE
+    rows = pages * rows_per_block + kv_head.to(gl.int64) * HEAD_DIM
     slots = gl.max_contiguous(gl.multiple_of(pos % PAGE, VEC), VEC)  # n0 is a multiple of BLOCK_N
     offs = (gl.expand_dims(rows, 0) + gl.expand_dims(offs_d, 1)) * aligned(stride_row, VEC) + gl.expand_dims(slots, 0)
-    async_copy.async_copy_global_to_shared(vt_dst, V_cache + offs)
+    if HEAD_DIM < HEAD_SIZE:
+        in_head = gl.expand_dims(offs_d < HEAD_DIM, 1) & gl.expand_dims(offs_n >= 0, 0)
+        async_copy.async_copy_global_to_shared(vt_dst, V_cache + offs, mask=in_head)
+    else:
+        async_copy.async_copy_global_to_shared(vt_dst, V_cache + offs)
 
 
 @gluon.jit
@@ -229,10 +241,11 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
             else:
                 n0 = cache_start + it * BLOCK_N
                 if SPLIT:
-                    _split_keys_async(split_keys, k_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS)
+                    _split_keys_async(split_keys, k_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS,
+                                      HEAD_DIM)
                     if VT_COPIES:  # values too by 16-byte copies, into V^T in the MMA's 128-byte swizzle
                         _split_values_async(split_values, vt_smem.index(s), table, kv_head, n0, HEAD_SIZE, PAGE,
-                                            BLOCK_N, WARPS)
+                                            BLOCK_N, WARPS, HEAD_DIM)
                     # Arrives once this lane's copies have landed; issued before the TMA's expect, so the
                     # barrier cannot complete on the value bytes alone.
                     async_copy.mbarrier_arrive(ready.index(s))
@@ -243,9 +256,17 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
                     for b in gl.static_range(0 if VT_COPIES else BLOCK_N // BOX):
                         pos = n0 + b * BOX
                         # A page's values of one head are one [D, PAGE] block: V^T, one box per page.
-                        row = _pages(table, pos, PAGE) * v_rows_per_block + col
-                        tma.async_copy_global_to_shared(v_cache_t, [row, pos % PAGE], ready.index(s),
-                                                        vt_smem.index(s).slice(b * BOX, BOX, dim=1))
+                        if PADDED:
+                            # The rank-3 view [blocks x heads, HEAD_DIM, PAGE]: a box of HEAD_SIZE rows reads the
+                            # rows past the head as zeros (outside the view, never another head's values).
+                            page_row = _pages(table, pos, PAGE) * (v_rows_per_block // HEAD_DIM) + kv_head
+                            vt3 = vt_smem.index(s).reshape([1, HEAD_SIZE, BLOCK_N]).slice(b * BOX, BOX, dim=2)
+                            tma.async_copy_global_to_shared(v_cache_t, [page_row, 0, pos % PAGE], ready.index(s),
+                                                            vt3)
+                        else:
+                            row = _pages(table, pos, PAGE) * v_rows_per_block + col
+                            tma.async_copy_global_to_shared(v_cache_t, [row, pos % PAGE], ready.index(s),
+                                                            vt_smem.index(s).slice(b * BOX, BOX, dim=1))
                 else:
                     _cached_boxes(k_cache, v_cache, table, kv_head, col, n0, ready.index(s), k8_smem.index(s),
                                   v8_smem.index(s), 2 * CACHE_HALF_BYTES, PAGE, BLOCK_N, HEAD_SIZE, PADDED)
@@ -598,6 +619,9 @@ def hopper_prefill_kernel(
     if SPLIT:
         if VT_COPIES:  # copied by the producer warp into the layout the MMA reads best
             vt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_SIZE, BLOCK_N], dtype)
+        elif HEAD_DIM < HEAD_SIZE:  # the boxes' rank-3 layout, seen as the [D, BLOCK_N] tile it fills
+            vt_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=v_cache_t.layout.swizzle_byte_width,
+                                                           element_bitwidth=dtype.primitive_bitwidth, rank=2)
         else:  # cached values as V^T pages by TMA: [D, BLOCK_N], each page a column block of the box's swizzle
             vt_layout: gl.constexpr = v_cache_t.layout
         if SHARED_V:

@@ -66,9 +66,9 @@ def shape_unfit_reason(shape: ProblemShape, config: TileConfig, max_shared: Opti
                f"shared memory), not {shape.layout} with head size {shape.head_size}"
     if shape.head_size not in HEAD_SIZES:
         return f"is built for head sizes {HEAD_SIZES}, not {shape.head_size}"
-    if shape.head_size in PADDED_HEADS and shape.layout != "nhd":
-        return f"reads head size {shape.head_size} (padded to {PADDED_HEADS[shape.head_size]}) in the NHD layout " \
-               f"only, not {shape.layout}"
+    if shape.head_size in PADDED_HEADS and shape.layout != "nhd" and SCHEDULE["SHARED_V"]:
+        return f"reads head size {shape.head_size} (padded to {PADDED_HEADS[shape.head_size]}) in the split " \
+               f"layout with a V^T ring of its own, not under the SHARED_V schedule"
     if shape.layout == "split" and shape.head_size > 128 and not SCHEDULE["SHARED_V"]:
         return f"reads the split layout for head sizes up to 128 (its value ring takes shared memory; the " \
                f"SHARED_V schedule makes room), not {shape.head_size}"
@@ -166,6 +166,20 @@ def _descriptor(t: torch.Tensor, rows_dim: int, cols_dims: tuple[int, ...], box:
     return TensorDescriptor(t, [rows, cols], [row_stride, 1], box, layout)
 
 
+def _value_pages_descriptor(value: torch.Tensor, width: int, box: int, swizzle: int):
+    """A TMA descriptor over the split layout's values ``[blocks, Hkv, D, PAGE]`` seen as ``[blocks x Hkv, D,
+    PAGE]``, copying ``[1, width, box]`` at a time: with ``width`` > ``D`` (a padded head) the rows past the head
+    lie outside the view and arrive as zeros."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    rows, row_stride = _tma_2d(value, 2, (3,))
+    d = value.shape[2]
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=8 * value.element_size(), rank=3)
+    return TensorDescriptor(value, [rows // d, d, value.shape[3]], [d * row_stride, row_stride, 1], [1, width, box],
+                            layout)
+
+
 def call_tensors(p: PrefillProblem, config: TileConfig) -> tuple:
     """The kernel's tensor arguments (TMA descriptors for K/V) in signature order; placeholders (an
     argument of the same kind that the kernel does not read) where a layout or feature does not use one."""
@@ -179,7 +193,11 @@ def call_tensors(p: PrefillProblem, config: TileConfig) -> tuple:
 
     if c.layout is KVLayout.SPLIT:
         # [blocks, Hkv, D, block]: rows of slots; a page of one head is D consecutive rows.
-        v_cache_t = _descriptor(c.value, 2, (3,), [D, box], swizzle=min(128, box * c.value.element_size()))
+        swizzle = min(128, box * c.value.element_size())
+        if width == D:
+            v_cache_t = _descriptor(c.value, 2, (3,), [D, box], swizzle=swizzle)
+        else:  # a padded head: boxes of the tile's width from the rank-3 view, zeros past the head
+            v_cache_t = _value_pages_descriptor(c.value, width, box, swizzle)
         k_cache = v_cache = v_cache_t
     else:
         # FP8 caches hold bytes: described as the FP8 type they store, which the kernel widens.
