@@ -49,8 +49,9 @@ HOPPER_BY_DEFAULT = True
 #: other than 128) are not timed and stay on the portable kernel.
 #: ``(layout, head size)`` routes the Hopper kernel is built for but ``auto`` does not take yet, whatever
 #: :data:`HOPPER_WINS` says: compiled for sm90 (the CI's compile test), not yet run on a GPU. Head size 96 in the
-#: split layout: keys by masked 16-byte copies, V^T boxes of the head's 96 rows, on a 128-wide tile.
-UNVERIFIED = frozenset({("split", 96)})
+#: split layout: keys by masked 16-byte copies, V^T boxes of the head's 96 rows, on a 128-wide tile; head size 256
+#: in the split layout: 32 keys per step, the producer a warpgroup.
+UNVERIFIED = frozenset({("split", 96), ("split", 256)})
 HOPPER_WINS = frozenset({(64, "auto"), (96, "auto"), (128, "auto"), (256, "auto"), (128, "fp8_e4m3")})
 
 
@@ -94,10 +95,13 @@ def hopper_config(shape: ProblemShape) -> TileConfig:
       in run 5; its long calls were level with 128 keys on cached rows and 7.8% faster on the long prefill in
       run 6);
     * an FP8 cache: 64 keys in a 2-deep ring (a third stage measured level in run 7: 268.5 against 266.9);
-    * head size 256: 64 keys in a 2-deep ring (the accumulator and K/V tiles are twice as large).
+    * head size 256: 64 keys in a 2-deep ring (the accumulator and K/V tiles are twice as large); 32 keys in
+      the split layout, whose V^T ring takes the room of a third K/V tile (not yet run on a GPU).
     """
     heads = max(1, min(shape.group_size, 4 if shape.workload == "short" else 2))
-    if shape.head_size_padded > 128 or shape.kv_cache_dtype != "auto":
+    if shape.head_size_padded > 128 and shape.layout == "split":
+        block_n, stages = 32, 2  # beside the split layout's own V^T ring (164 KiB)
+    elif shape.head_size_padded > 128 or shape.kv_cache_dtype != "auto":
         block_n, stages = 64, 2
     elif shape.layout == "nhd" or shape.workload == "long":
         block_n, stages = 128, 2

@@ -69,9 +69,9 @@ def shape_unfit_reason(shape: ProblemShape, config: TileConfig, max_shared: Opti
     if shape.head_size in PADDED_HEADS and shape.layout != "nhd" and SCHEDULE["SHARED_V"]:
         return f"reads head size {shape.head_size} (padded to {PADDED_HEADS[shape.head_size]}) in the split " \
                f"layout with a V^T ring of its own, not under the SHARED_V schedule"
-    if shape.layout == "split" and shape.head_size > 128 and not SCHEDULE["SHARED_V"]:
-        return f"reads the split layout for head sizes up to 128 (its value ring takes shared memory; the " \
-               f"SHARED_V schedule makes room), not {shape.head_size}"
+    if shape.layout == "split" and shape.head_size > 128 and not SCHEDULE["SHARED_V"] and config.block_n > 32:
+        return f"reads the split layout at head size {shape.head_size} with up to 32 keys per step (its V^T ring " \
+               f"takes shared memory; the SHARED_V schedule makes room for more), not block_n={config.block_n}"
     page, block_n = shape.block_size, config.block_n
     smallest = 16 if shape.layout == "split" else 8  # a V^T page box is at least one 32-byte swizzle atom wide
     if page < smallest or page & (page - 1) or not (block_n % page == 0 or page % block_n == 0):
@@ -252,10 +252,11 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: with :data:`WIDENING_PRODUCER_REGS` for the producer).
 #: Run 7 (H200, docs/performance.md): ``PRODUCER_WIDENS`` passed hopper_check.py's 37 cases and was 1.12 x the
 #: consumers widening their own copies on the FP8 row (266.9 vs 238.6 TFLOP/s): on by default.
-#: ``WIDE_PRODUCER`` passed them too and was 0.97 x (355.1 vs 365.8 on the split prefix-cached row): off.
+#: ``WIDE_PRODUCER`` passed them too and was 0.97 x (355.1 vs 365.8 on the split prefix-cached row): off, but for
+#: the split layout at head size 256, where one producer warp spills its copy addresses (:func:`kernel_call`).
 #: ``SHARED_V`` gave wrong results and an illegal-address fault on the split cases, although its PTX differs
-#: from the passing two-ring kernel's only in where the rings and the Q tile sit: off, and the split layout at
-#: head size 256 stays on the portable kernel.
+#: from the passing two-ring kernel's only in where the rings and the Q tile sit: off (the split layout at head
+#: size 256 takes 32 keys per step beside its V^T ring instead).
 #: On the H200 (docs/performance.md, runs 3 and 4; ci/gpu/hopper_check.py, 4 bench workloads x 2 layouts):
 #: heavy-first was at least as fast as index order on every row; ping-pong was 1.00-1.21 x the lockstep loop
 #: and 1.24-1.49 x the portable kernel, the fastest schedule on every NHD row and within 1.3% of ``TURNS`` on
@@ -321,7 +322,8 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
     # FP8 tiles are widened before their MMAs: the overlapped issue order is not built for that.
     schedule["OVERLAP"] = bool(schedule["OVERLAP"]) and not fp8
     # Only the split layout's copies are shared among the producer's warps (NHD is all TMA, one thread issues).
-    schedule["WIDE_PRODUCER"] = bool(schedule["WIDE_PRODUCER"]) and split
+    # ... and at head size 256 they take a warpgroup: one producer warp spills its copy addresses there.
+    schedule["WIDE_PRODUCER"] = (bool(schedule["WIDE_PRODUCER"]) or D > 128) and split
     schedule["SHARED_V"] = bool(schedule["SHARED_V"]) and split
     schedule["PRODUCER_WIDENS"] = bool(schedule["PRODUCER_WIDENS"]) and fp8
     wide, widens = schedule["WIDE_PRODUCER"], schedule["PRODUCER_WIDENS"]
