@@ -114,6 +114,8 @@ VARIANTS = [
     # 128 keys per step in a 2-deep ring: the policy's tile for NHD and long prefills up to head size 128 since
     # run 6; timed on the other rows too.
     ("pingpong-n128-s2", dict(block_n=128, num_stages=2), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
+    # 128 keys in a 3-deep ring (225 KiB at head size 128): what `pagedprefill tune` chose for short NHD calls.
+    ("pingpong-n128-s3", dict(block_n=128, num_stages=3), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
     # The policy's tiles before run 6: 64 keys in a 3-deep ring up to head size 128, and head size 256 on 64 rows
     # over one consumer warpgroup.
     ("pingpong-n64-s3", dict(block_n=64, num_stages=3), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
