@@ -124,6 +124,7 @@ def _split_keys_async(split_keys, k_dst, table, kv_head, n0,
     col_off = (offs_d // X) * aligned(stride_kd, X) + offs_d % X
     ptrs = K_cache + gl.expand_dims(row_off, 1) + gl.expand_dims(col_off, 0)
     if HEAD_DIM < HEAD_SIZE:
+        # The mask takes the pointers' 2-D shape and layout: the always-true key term only broadcasts it.
         in_head = gl.expand_dims(offs_n >= 0, 1) & gl.expand_dims(offs_d < HEAD_DIM, 0)
         async_copy.async_copy_global_to_shared(k_dst, ptrs, mask=in_head)
     else:
