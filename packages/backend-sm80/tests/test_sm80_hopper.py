@@ -333,15 +333,25 @@ def test_schedule_flags_parse_by_name():
 
 
 def test_auto_leaves_a_route_not_yet_run_on_a_gpu_to_the_portable_kernel(monkeypatch):
-    """Head sizes 96 and 256 in the split layout are built and compiled, and run when asked for; ``auto`` keeps
-    them on the portable kernel, with the reason, until the suites have passed on a GPU."""
+    """A route listed in ``UNVERIFIED`` runs when asked for; ``auto`` keeps it on the portable kernel, with the
+    reason, until the suites have passed on a GPU."""
+    import pagedprefill_sm80.policy as policy
+
     monkeypatch.delenv(KERNEL_ENV, raising=False)
-    for head_size in (96, 256):
-        kernel, why = choose_kernel(shape(head_size=head_size, layout="split"), H200)
-        assert kernel == "portable" and "only when asked for" in why and "passed the suites on a GPU" in why, why
-    assert choose_kernel(shape(head_size=96), H200)[0] == "hopper"  # NHD: verified (run 5)
+    monkeypatch.setattr(policy, "UNVERIFIED", frozenset({("split", 96)}))
+    kernel, why = choose_kernel(shape(head_size=96, layout="split"), H200)
+    assert kernel == "portable" and "only when asked for" in why and "passed the suites on a GPU" in why, why
+    assert choose_kernel(shape(head_size=96), H200)[0] == "hopper"  # the NHD layout is not listed
     monkeypatch.setenv(KERNEL_ENV, "hopper")
     assert choose_kernel(shape(head_size=96, layout="split"), H200) == ("hopper", f"{KERNEL_ENV}=hopper")
+
+
+def test_auto_takes_the_split_layouts_head_sizes_96_and_256(monkeypatch):
+    """They passed the suites on the H200 and measured faster than the portable kernel (run 8)."""
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    for head_size in (96, 256):
+        assert choose_kernel(shape(head_size=head_size, layout="split"), H200) == \
+            ("hopper", "the Hopper kernel takes this shape and is the faster one"), head_size
 
 
 def test_auto_picks_it_only_where_it_measured_faster(monkeypatch):

@@ -43,15 +43,14 @@ HOPPER_BY_DEFAULT = True
 #: same data, same run (docs/performance.md, run 5, ping-pong schedule; run 6 with the present tiles: 1.10-1.52 x
 #: over the same pairs and layouts, 1.33 x at head size 256). Head size 128 with a cache in the input
 #: dtype: 1.17-1.45 x on NHD, 1.23-1.50 x on the split layout; 64: 1.03 x (NHD) and 1.15 x (split); 96: 1.44 x
-#: (NHD; it does not read the split layout); 256: 1.05 x (NHD; not split). An FP8 e4m3 cache at head size 128
-#: (NHD) since run 7, with the producer widening each tile once (``PRODUCER_WIDENS``): 1.04 x (266.9 vs 257.0
-#: TFLOP/s; each consumer widening its own copy was 0.93 x in the same run). Other FP8 pairs (e5m2, head sizes
-#: other than 128) are not timed and stay on the portable kernel.
+#: (NHD) and 1.39 x (split, run 8: 308.4 vs 221.2 TFLOP/s); 256: 1.05 x (NHD) and 1.19 x (split, run 8: 339.7
+#: vs 286.0). An FP8 e4m3 cache at head size 128 (NHD) since run 7, with the producer widening each tile once
+#: (``PRODUCER_WIDENS``): 1.19 x with 128 keys per step (run 8: 305.2 vs 256.2; 64 keys: 266.8). Other FP8
+#: pairs (e5m2, head sizes other than 128) are not timed and stay on the portable kernel.
 #: ``(layout, head size)`` routes the Hopper kernel is built for but ``auto`` does not take yet, whatever
-#: :data:`HOPPER_WINS` says: compiled for sm90 (the CI's compile test), not yet run on a GPU. Head size 96 in the
-#: split layout: keys by masked 16-byte copies, V^T boxes of the head's 96 rows, on a 128-wide tile; head size 256
-#: in the split layout: 32 keys per step, the producer a warpgroup.
-UNVERIFIED = frozenset({("split", 96), ("split", 256)})
+#: :data:`HOPPER_WINS` says, because they have not yet passed the suites on a GPU (``PAGEDPREFILL_SM80_KERNEL=hopper``
+#: runs them). Empty since run 8, where the split layout's head sizes 96 and 256 passed.
+UNVERIFIED: frozenset = frozenset()
 HOPPER_WINS = frozenset({(64, "auto"), (96, "auto"), (128, "auto"), (256, "auto"), (128, "fp8_e4m3")})
 
 
@@ -94,16 +93,17 @@ def hopper_config(shape: ProblemShape) -> TileConfig:
     * the split layout's short calls: 64 keys in a 3-deep ring (128 keys were 3.5% slower on its many-short row
       in run 5; its long calls were level with 128 keys on cached rows and 7.8% faster on the long prefill in
       run 6);
-    * an FP8 cache: 64 keys in a 2-deep ring (a third stage measured level in run 7: 268.5 against 266.9);
+    * an FP8 cache: 128 keys in a 2-deep ring, like the input dtype (1.14 x over 64 keys in run 8; 64 keys with
+      a third stage measured level with two in run 7);
     * head size 256: 64 keys in a 2-deep ring (the accumulator and K/V tiles are twice as large); 32 keys in
-      the split layout, whose V^T ring takes the room of a third K/V tile (not yet run on a GPU).
+      the split layout, whose V^T ring takes the room of a third K/V tile.
     """
     heads = max(1, min(shape.group_size, 4 if shape.workload == "short" else 2))
     if shape.head_size_padded > 128 and shape.layout == "split":
         block_n, stages = 32, 2  # beside the split layout's own V^T ring (164 KiB)
-    elif shape.head_size_padded > 128 or shape.kv_cache_dtype != "auto":
+    elif shape.head_size_padded > 128:
         block_n, stages = 64, 2
-    elif shape.layout == "nhd" or shape.workload == "long":
+    elif shape.layout == "nhd" or shape.workload == "long":  # an FP8 cache is read in the NHD layout only
         block_n, stages = 128, 2
     else:
         block_n, stages = 64, 3
