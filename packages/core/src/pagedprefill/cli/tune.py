@@ -85,14 +85,24 @@ def tune(backend_name: str, head_sizes, dtypes, workloads, device: torch.device,
             [lambda c=cfg, pr=problem: backend.run_tile(pr, c, info) for cfg in runnable], rounds,
             lambda fn: float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")))
         best = None
+        medians = []
         for cfg, samples in zip(runnable, times):
             ms = statistics.median(samples)
+            medians.append(ms)
             log(f"    {cfg.to_dict()} {ms:.3f} ms (rounds {min(samples):.3f}-{max(samples):.3f})")
             if best is None or ms < best[0]:
-                best = (ms, cfg)
+                best = (ms, cfg, samples)
         if best is not None:
-            entries[key] = best[1]
-            report.append((key, best[0], best[1]))
+            ms, cfg, samples = best
+            runner_up = sorted(medians)[1] if len(medians) > 1 else None
+            # The winner's own rounds spread wider than its lead over the next tile: the pick is the fastest
+            # median, but the measurement could not tell the two apart.
+            separable = runner_up is None or max(samples) - min(samples) < runner_up - ms
+            if not separable:
+                log(f"    {key}: the fastest tile's rounds spread {max(samples) - min(samples):.3f} ms, more than "
+                    f"its lead of {runner_up - ms:.3f} ms over the next; more --rounds would separate them")
+            entries[key] = cfg
+            report.append((key, ms, cfg, separable))
             if on_key is not None:
                 on_key(key, best[1])  # saved as soon as a key is done: an interrupted sweep keeps its results
         del problem, check
@@ -120,8 +130,8 @@ def cmd_tune(args) -> int:
                   log=lambda m: print(m, file=sys.stderr, flush=True), on_key=save, layouts=args.layout,
                   rounds=args.rounds)
     print(f"\ntuned {len(result['entries'])} keys in {time.time() - t0:.0f} s on {info.describe()}")
-    for key, ms, cfg in result["report"]:
-        print(f"  {key:<32} {ms:8.3f} ms  {cfg.to_dict()}")
+    for key, ms, cfg, separable in result["report"]:
+        print(f"  {key:<32} {ms:8.3f} ms  {cfg.to_dict()}{'' if separable else '  (within the rounds spread)'}")
     print(f"table written to {path}")
     return 0
 
