@@ -49,6 +49,12 @@ CASES = {
     "split_d96_mqa_features": dict(layout="split", head_size=96, num_kv_heads=1, sliding_window=100, alibi=True,
                                    sinks=True, fp8_out_scale=0.25),
     "split_d96_kv_in_cache": dict(layout="split", head_size=96, kv_in_cache=True, block_size=32),
+    "split_fp8_e4m3": dict(layout="split", kv_cache_dtype="fp8_e4m3"),
+    "split_fp8_e5m2_d64_features": dict(layout="split", kv_cache_dtype="fp8_e5m2", head_size=64, scale_as_tensor=True,
+                                        sliding_window=100, softcap=20.0, kv_in_cache=True),
+    "split_fp8_d96_fp16": dict(layout="split", kv_cache_dtype="fp8_e4m3", head_size=96, dtype=torch.float16),
+    "split_fp8_long": dict(layout="split", kv_cache_dtype="fp8_e4m3", query_lens=(1500, 700),
+                           context_lens=(2500, 3000)),
     "split_kv_in_cache": dict(layout="split", kv_in_cache=True), "split_long": dict(layout="split",
                                                                                     query_lens=(1500, 700),
                                                                                     context_lens=(2500, 3000)),
@@ -116,6 +122,11 @@ VARIANTS = [
     ("pingpong-n128-s2", dict(block_n=128, num_stages=2), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
     # 128 keys in a 3-deep ring (225 KiB at head size 128): what `pagedprefill tune` chose for short NHD calls.
     ("pingpong-n128-s3", dict(block_n=128, num_stages=3), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
+    # One query head per tile, with 128 keys in 3 stages: what `pagedprefill tune` chose for short NHD calls in
+    # run 8 (the bench's many-short row ran it at 405 TFLOP/s; 442-476 with four heads in other runs).
+    ("pingpong-g1", dict(heads_per_tile=1), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
+    ("pingpong-n128-s3-g1", dict(block_n=128, num_stages=3, heads_per_tile=1),
+     dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
     # The policy's tiles before run 6: 64 keys in a 3-deep ring up to head size 128, and head size 256 on 64 rows
     # over one consumer warpgroup.
     ("pingpong-n64-s3", dict(block_n=64, num_stages=3), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),

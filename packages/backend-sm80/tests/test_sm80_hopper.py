@@ -46,7 +46,9 @@ def test_forced_hopper_kernel_takes_the_shapes_it_is_built_for(monkeypatch):
                     {"sliding_window": 7, "alibi": True, "softcap": 5.0, "sinks": True},
                     {"kv_cache_dtype": "fp8_e4m3"}, {"kv_cache_dtype": "fp8_e5m2", "head_size": 64},
                     {"head_size": 96}, {"head_size": 96, "kv_cache_dtype": "fp8_e4m3"},
-                    {"head_size": 96, "layout": "split"}, {"head_size": 256, "layout": "split"}):
+                    {"head_size": 96, "layout": "split"}, {"head_size": 256, "layout": "split"},
+                    {"kv_cache_dtype": "fp8_e4m3", "layout": "split"},
+                    {"kv_cache_dtype": "fp8_e5m2", "layout": "split", "head_size": 96}):
         kernel, why = choose_kernel(shape(**changes), H200)
         assert (kernel, why) == ("hopper", f"{KERNEL_ENV}=hopper"), changes
         config = Sm80Backend().tile_config(shape(**changes), H200)
@@ -55,7 +57,6 @@ def test_forced_hopper_kernel_takes_the_shapes_it_is_built_for(monkeypatch):
 
 @pytest.mark.parametrize("changes, words", [
     ({"layout": "split", "block_size": 8}, "block size >= 16"),
-    ({"kv_cache_dtype": "fp8_e4m3", "layout": "split"}, "FP8 cache in the NHD layout"),
     ({"kv_cache_dtype": "fp8_e4m3", "head_size": 256}, "head sizes up to 128"),
     ({"dtype": torch.float32}, "float32"),
     ({"head_size": 80}, "head sizes"),
@@ -120,6 +121,9 @@ COMPILED = {
                            "alibi": True, "sinks": True},
     "split-d256": {"layout": "split", "head_size": 256},
     "split-vllm-options": {"layout": "split", "kv_in_cache": True, "causal": False, "sliding_window": 9},
+    "split-fp8": {"layout": "split", "kv_cache_dtype": "fp8_e4m3"},
+    "split-fp8-e5m2-d96-features": {"layout": "split", "kv_cache_dtype": "fp8_e5m2", "head_size": 96,
+                                    "sliding_window": 20, "softcap": 10.0, "scale_as_tensor": True},
 }
 
 
@@ -205,7 +209,12 @@ def test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma():
         plain, pingpong = summaries[f"{call}/heavy-first"], summaries[f"{call}/pingpong"]
         copies = summaries[f"{call}/pingpong-vt-copies"]
         wide = summaries[f"{call}/pingpong-wide-producer"]
-        if call.startswith("split"):  # the cached values by 16-byte copies too, and no value box left
+        fp8 = "kv_cache_dtype" in COMPILED[call]
+        if call.startswith("split") and fp8:
+            # An FP8 cache's values come by 16-byte copies already, widened by a producer warpgroup, into a
+            # V^T ring of their own: those three schedules change nothing.
+            assert copies == pingpong == wide == summaries[f"{call}/pingpong-shared-v"], call
+        elif call.startswith("split"):  # the cached values by 16-byte copies too, and no value box left
             assert copies["tma_copies"] < pingpong["tma_copies"], call
             if COMPILED[call].get("head_size", 128) <= 128:
                 assert copies["async_copies"] == 2 * pingpong["async_copies"], call
@@ -223,7 +232,9 @@ def test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma():
         widened = summaries[f"{call}/pingpong-producer-widens"]
         own_copies = summaries[f"{call}/pingpong-consumers-widen"]
         assert widened == pingpong, call  # the default schedule
-        if "kv_cache_dtype" in COMPILED[call]:
+        if call.startswith("split") and fp8:  # widened by the producer under every schedule
+            assert own_copies == pingpong, call
+        elif fp8:
             # Widened once by the producer warpgroup: no consumer copies, a third less shared memory for a tile,
             # or room for twice the keys per step.
             if widened["block_n"] == own_copies["block_n"]:
@@ -238,7 +249,7 @@ def test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma():
             assert pingpong["launch_warps"] == 4 and pingpong["wgmma"] == 2 * plain["wgmma"], call
             assert summaries[f"{call}/pingpong-turns"]["wgmma"] == pingpong["wgmma"], call
             overlapped = summaries[f"{call}/pingpong-overlap-turns"]
-            if "kv_cache_dtype" in COMPILED[call]:  # FP8 tiles are widened before their MMAs: no OVERLAP
+            if fp8:  # FP8 tiles are widened before their MMAs: no OVERLAP
                 assert overlapped == summaries[f"{call}/pingpong-turns"], call
             else:  # the spare Q K^T of the overlapped loop's prologue: one more MMA per consumer
                 assert overlapped["wgmma"] > pingpong["wgmma"], call
@@ -284,8 +295,14 @@ def test_info_shows_each_routes_kernel_and_reason():
     routes = [line.split() for line in lines if line.startswith("  ") and ("hopper" in line or "portable" in line)]
     assert any(r[:4] == ["prefix-cached", "8x(1024+7168)", "nhd", "hopper"] for r in routes), proc.stdout
     fp8 = [line.split() for line in lines if line.lstrip().startswith("FP8 e4m3 KV")]
-    # NHD reads an FP8 cache on the Hopper kernel; the split layout's FP8 keys stay on the portable one.
-    assert sorted(r[4:6] for r in fp8) == [["nhd", "hopper"], ["split", "portable"]], proc.stdout
+    assert sorted(r[4:6] for r in fp8) == [["nhd", "hopper"], ["split", "hopper"]], proc.stdout
+    # Under auto the split layout's FP8 cache stays on the portable kernel until it has run on a GPU, and says so.
+    env.pop(KERNEL_ENV)
+    proc = subprocess.run([sys.executable, "-m", "pagedprefill", "info", "--describe", "h200"], capture_output=True,
+                          text=True, timeout=300, env=env)
+    fp8 = [line for line in proc.stdout.splitlines() if line.lstrip().startswith("FP8 e4m3 KV")]
+    assert sorted(line.split()[4:6] for line in fp8) == [["nhd", "hopper"], ["split", "portable"]], proc.stdout
+    assert "until it has passed the suites on a GPU" in next(line for line in fp8 if " split " in line), fp8
 
 
 def test_repeated_calls_rebuild_only_the_descriptors_whose_tensor_moved():
@@ -344,17 +361,23 @@ def test_schedule_flags_parse_by_name():
 
 
 def test_auto_leaves_a_route_not_yet_run_on_a_gpu_to_the_portable_kernel(monkeypatch):
-    """A route listed in ``UNVERIFIED`` runs when asked for; ``auto`` keeps it on the portable kernel, with the
-    reason, until the suites have passed on a GPU."""
-    import pagedprefill_sm80.policy as policy
-
+    """A route listed in ``UNVERIFIED`` (the split layout's FP8 cache) runs when asked for; ``auto`` keeps it on
+    the portable kernel, with the reason, until the suites have passed on a GPU."""
     monkeypatch.delenv(KERNEL_ENV, raising=False)
-    monkeypatch.setattr(policy, "UNVERIFIED", frozenset({("split", 96)}))
-    kernel, why = choose_kernel(shape(head_size=96, layout="split"), H200)
+    kernel, why = choose_kernel(shape(kv_cache_dtype="fp8_e4m3", layout="split"), H200)
     assert kernel == "portable" and "only when asked for" in why and "passed the suites on a GPU" in why, why
-    assert choose_kernel(shape(head_size=96), H200)[0] == "hopper"  # the NHD layout is not listed
+    assert choose_kernel(shape(kv_cache_dtype="fp8_e4m3"), H200)[0] == "hopper"  # NHD is not listed
     monkeypatch.setenv(KERNEL_ENV, "hopper")
-    assert choose_kernel(shape(head_size=96, layout="split"), H200) == ("hopper", f"{KERNEL_ENV}=hopper")
+    assert choose_kernel(shape(kv_cache_dtype="fp8_e4m3", layout="split"), H200) == ("hopper", f"{KERNEL_ENV}=hopper")
+
+
+def test_split_fp8_is_refused_under_the_shared_v_schedule(monkeypatch):
+    import pagedprefill_sm80.hopper.launch as launch
+
+    monkeypatch.setenv(KERNEL_ENV, "hopper")
+    monkeypatch.setattr(launch, "SCHEDULE", {**launch.SCHEDULE, "SHARED_V": True})
+    kernel, why = choose_kernel(shape(kv_cache_dtype="fp8_e4m3", layout="split"), H200)
+    assert kernel == "portable" and "not under the SHARED_V schedule" in why, why
 
 
 def test_auto_takes_the_split_layouts_head_sizes_96_and_256(monkeypatch):

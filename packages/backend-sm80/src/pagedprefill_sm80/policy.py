@@ -47,10 +47,12 @@ HOPPER_BY_DEFAULT = True
 #: vs 286.0). An FP8 e4m3 cache at head size 128 (NHD) since run 7, with the producer widening each tile once
 #: (``PRODUCER_WIDENS``): 1.19 x with 128 keys per step (run 8: 305.2 vs 256.2; 64 keys: 266.8). Other FP8
 #: pairs (e5m2, head sizes other than 128) are not timed and stay on the portable kernel.
-#: ``(layout, head size)`` routes the Hopper kernel is built for but ``auto`` does not take yet, whatever
-#: :data:`HOPPER_WINS` says, because they have not yet passed the suites on a GPU (``PAGEDPREFILL_SM80_KERNEL=hopper``
-#: runs them). Empty since run 8, where the split layout's head sizes 96 and 256 passed.
-UNVERIFIED: frozenset = frozenset()
+#: ``(layout, head size, cache dtype)`` routes the Hopper kernel is built for but ``auto`` does not take yet,
+#: whatever :data:`HOPPER_WINS` says, because they have not yet passed the suites on a GPU
+#: (``PAGEDPREFILL_SM80_KERNEL=hopper`` runs them). The split layout's head sizes 96 and 256 left it in run 8.
+#: An FP8 cache in the split layout: keys and V^T values by 16-byte copies into the FP8 ring, widened by the
+#: producer; compiled for sm90, not yet run.
+UNVERIFIED = frozenset({("split", 128, "fp8_e4m3")})
 HOPPER_WINS = frozenset({(64, "auto"), (96, "auto"), (128, "auto"), (256, "auto"), (128, "fp8_e4m3")})
 
 
@@ -96,12 +98,14 @@ def hopper_config(shape: ProblemShape) -> TileConfig:
     * an FP8 cache: 128 keys in a 2-deep ring, like the input dtype (1.14 x over 64 keys in run 8; 64 keys with
       a third stage measured level with two in run 7);
     * head size 256: 64 keys in a 2-deep ring (the accumulator and K/V tiles are twice as large); 32 keys in
-      the split layout, whose V^T ring takes the room of a third K/V tile.
+      the split layout, whose V^T ring takes the room of a third K/V tile;
+    * an FP8 cache in the split layout: 64 keys in a 2-deep ring (its FP8 ring beside the V^T ring, 161 KiB;
+      128 keys would take 289 KiB).
     """
     heads = max(1, min(shape.group_size, 4 if shape.workload == "short" else 2))
     if shape.head_size_padded > 128 and shape.layout == "split":
         block_n, stages = 32, 2  # beside the split layout's own V^T ring (164 KiB)
-    elif shape.head_size_padded > 128:
+    elif shape.head_size_padded > 128 or (shape.layout == "split" and shape.kv_cache_dtype != "auto"):
         block_n, stages = 64, 2
     elif shape.layout == "nhd" or shape.workload == "long":  # an FP8 cache is read in the NHD layout only
         block_n, stages = 128, 2
@@ -147,9 +151,10 @@ def choose_kernel(shape: ProblemShape, device: DeviceInfo) -> tuple[str, str]:
         return "portable", f"the Hopper kernel {unfit}"
     if wanted == "hopper":
         return "hopper", f"{KERNEL_ENV}=hopper"
-    if (shape.layout, shape.head_size) in UNVERIFIED:
-        return "portable", f"the Hopper kernel reads head size {shape.head_size} in the {shape.layout} layout only " \
-                           f"when asked for ({KERNEL_ENV}=hopper) until it has passed the suites on a GPU"
+    if (shape.layout, shape.head_size, shape.kv_cache_dtype) in UNVERIFIED:
+        return "portable", f"the Hopper kernel reads head size {shape.head_size} with kv_cache_dtype=" \
+                           f"{shape.kv_cache_dtype!r} in the {shape.layout} layout only when asked for " \
+                           f"({KERNEL_ENV}=hopper) until it has passed the suites on a GPU"
     if HOPPER_BY_DEFAULT and (shape.head_size, shape.kv_cache_dtype) in HOPPER_WINS:
         return "hopper", "the Hopper kernel takes this shape and is the faster one"
     if HOPPER_BY_DEFAULT:

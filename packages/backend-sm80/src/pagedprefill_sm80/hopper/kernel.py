@@ -8,8 +8,9 @@ head) pairs, ``HEADS_PER_TILE`` heads of one KV group packed together), with the
   page (or one per tile when a page holds several tiles), one box per tile of new tokens. In the split
   layout the cached keys come by 16-byte asynchronous copies instead (no TMA view fits their
   ``[D / x, block, x]`` pages) and the cached values as V^T pages (``[D, block]``) into a ring of their
-  own. An FP8 cache (NHD) lands in FP8 buffers of its own, which each consumer widens to 16 bits before its
-  MMAs. A head size that is not a power of two (96, NHD) runs on the next power of two, its boxes reading the
+  own. An FP8 cache lands in FP8 buffers of its own (in the split layout its values by 16-byte copies too),
+  which the producer (``PRODUCER_WIDENS``) or each consumer (NHD only) widens to 16 bits before the MMAs. A
+  head size that is not a power of two (96) runs on the next power of two, its boxes and copies reading the
   columns past the head as zeros. Each buffer has a ``ready`` barrier (the copies have landed) and an
   ``empty`` barrier (the consumers are done);
 * the **consumer** warpgroups run ``S = Q K^T`` and ``O += P V`` as warpgroup MMAs straight from shared
@@ -136,12 +137,14 @@ def _split_values_async(split_values, vt_dst, table, kv_head, n0,
                         HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, WARPS: gl.constexpr,
                         HEAD_DIM: gl.constexpr):
     """Copy one tile of cached values from the split layout (``[blocks, Hkv, D, PAGE]``: a page of one head is
-    ``D`` rows of ``PAGE`` slots) into ``vt_dst`` (``[D, BLOCK_N]``, V^T in the MMA's own swizzle), 16 bytes
-    of consecutive slots per asynchronous copy. ``split_values`` is ``(V_cache, rows per block, row stride)``:
-    the cache seen as ``[blocks x Hkv x D, PAGE]`` rows, as its TMA view is. Rows past a padded head
-    (``HEAD_DIM`` < ``HEAD_SIZE``) are masked: the copies fill them with zeros and read nothing."""
+    ``D`` rows of ``PAGE`` slots) into ``vt_dst`` (``[D, BLOCK_N]``, V^T in the MMA's own swizzle, or an FP8
+    cache's V^T buffer), 16 bytes of consecutive slots per asynchronous copy. ``split_values`` is
+    ``(V_cache, rows per block, row stride)``: the cache seen as ``[blocks x Hkv x D, PAGE]`` rows, as its TMA
+    view is. Rows past a padded head (``HEAD_DIM`` < ``HEAD_SIZE``) are masked: the copies fill them with zeros
+    and read nothing."""
     V_cache, rows_per_block, stride_row = split_values
-    VEC: gl.constexpr = 8  # 16 bytes of 16-bit values; PAGE >= 16 keeps a vector inside one page
+    # 16 bytes of values (8 16-bit or 16 FP8 ones); PAGE >= 16 keeps a vector inside one page.
+    VEC: gl.constexpr = 128 // V_cache.dtype.element_ty.primitive_bitwidth
     LANES_N: gl.constexpr = BLOCK_N // VEC
     v_ld: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // LANES_N, LANES_N], [WARPS, 1], [1, 0])
     offs_d = gl.arange(0, HEAD_SIZE, gl.SliceLayout(1, v_ld))
@@ -190,6 +193,54 @@ def _cached_boxes(k_cache, v_cache, table, kv_head, col, n0, barrier, k_dst, v_d
 
 
 @gluon.jit
+def _split_cached_tile(split_keys, split_values, v_cache_t, table, kv_head, col, n0, v_rows_per_block, barrier,
+                       k_dst, vt_dst, HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+                       X: gl.constexpr, WARPS: gl.constexpr, HEAD_DIM: gl.constexpr, VALUE_COPIES: gl.constexpr):
+    """One split-layout tile of cached keys into ``k_dst`` (``[BLOCK_N, D]``, 16-byte copies) and of its values
+    into ``vt_dst`` as V^T (``[D, BLOCK_N]``): one TMA box per page, or with ``VALUE_COPIES`` 16-byte copies.
+    ``barrier`` completes once every copy has landed."""
+    BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
+    VALUE_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * v_cache_t.dtype.primitive_bitwidth // 8
+    _split_keys_async(split_keys, k_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM)
+    if VALUE_COPIES:
+        _split_values_async(split_values, vt_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, WARPS, HEAD_DIM)
+    # Arrives once this lane's copies have landed; issued before the TMA's expect, so the barrier cannot
+    # complete on the value bytes alone.
+    async_copy.mbarrier_arrive(barrier)
+    if VALUE_COPIES:
+        mbarrier.arrive(barrier, count=1)
+    else:
+        mbarrier.expect(barrier, VALUE_BYTES)
+    for b in gl.static_range(0 if VALUE_COPIES else BLOCK_N // BOX):
+        pos = n0 + b * BOX
+        # A page's values of one head are one [D, PAGE] block: V^T, one box per page.
+        if HEAD_DIM < HEAD_SIZE:
+            # The rank-3 view [blocks x heads, HEAD_DIM, PAGE]: a box of HEAD_SIZE rows reads the rows past the
+            # head as zeros (outside the view, never another head's values).
+            page_row = _pages(table, pos, PAGE) * (v_rows_per_block // HEAD_DIM) + kv_head
+            vt3 = vt_dst.reshape([1, HEAD_SIZE, BLOCK_N]).slice(b * BOX, BOX, dim=2)
+            tma.async_copy_global_to_shared(v_cache_t, [page_row, 0, pos % PAGE], barrier, vt3)
+        else:
+            row = _pages(table, pos, PAGE) * v_rows_per_block + col
+            tma.async_copy_global_to_shared(v_cache_t, [row, pos % PAGE], barrier, vt_dst.slice(b * BOX, BOX, dim=1))
+
+
+@gluon.jit
+def _cached_tile(loads, table, kv_head, col, n0, v_rows_per_block, barrier, k_dst, v_dst, TILE_BYTES: gl.constexpr,
+                 HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr,
+                 X: gl.constexpr, WARPS: gl.constexpr, HEAD_DIM: gl.constexpr, VALUE_COPIES: gl.constexpr):
+    """One tile of cached keys and values into ``k_dst`` and ``v_dst`` (V^T in the split layout), completing
+    ``barrier``: TMA boxes per page (NHD, ``TILE_BYTES`` for K and V), or the split layout's copies and boxes."""
+    k_cache, v_cache, _, _, v_cache_t, split_keys, split_values = loads
+    if SPLIT:
+        _split_cached_tile(split_keys, split_values, v_cache_t, table, kv_head, col, n0, v_rows_per_block, barrier,
+                           k_dst, v_dst, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM, VALUE_COPIES)
+    else:
+        _cached_boxes(k_cache, v_cache, table, kv_head, col, n0, barrier, k_dst, v_dst, TILE_BYTES, PAGE, BLOCK_N,
+                      HEAD_SIZE, HEAD_DIM < HEAD_SIZE)
+
+
+@gluon.jit
 def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk,
               HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               SPLIT: gl.constexpr, X: gl.constexpr, HEAD_DIM: gl.constexpr, VT_COPIES: gl.constexpr,
@@ -204,23 +255,25 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
     descriptors (``[rows, heads, head size]``), whose boxes of ``HEAD_SIZE`` columns read the columns past the
     head as zeros. ``WARPS``: the producer partition's warps, which share the split layout's 16-byte copies.
 
-    ``PRODUCER_WIDENS`` (an FP8 cache, NHD): the cached tiles land by TMA in the FP8 ring (``k8_smem``/``v8_smem``,
-    counted by ``ready8``), up to ``STAGES`` tiles ahead; the producer's warps widen each into the 16-bit ring
-    once, for both consumers, then signal ``ready``.
+    ``PRODUCER_WIDENS`` (an FP8 cache): the cached tiles land in the FP8 ring (``k8_smem``/``v8_smem``, counted by
+    ``ready8``; NHD by TMA, the split layout by 16-byte copies, its values as V^T), up to ``STAGES`` tiles
+    ahead; the producer's warps widen each into the 16-bit ring once, for both consumers, then signal ``ready``.
     """
     PADDED: gl.constexpr = HEAD_DIM < HEAD_SIZE
     k_cache, v_cache, k_new, v_new, v_cache_t, split_keys, split_values = loads
     k_smem, v_smem, vt_smem, k8_smem, v8_smem, ready, empty = ring
     cache_start, cache_tiles, new_start, new_tiles, _, _ = walk
-    BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
     HALF_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * k_new.dtype.primitive_bitwidth // 8
     # Cached tiles in the cache's own element type (FP8 caches land in their own ring, k8_smem / v8_smem).
     CACHE_HALF_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * v_cache_t.dtype.primitive_bitwidth // 8
     col = kv_head * HEAD_DIM
     if PRODUCER_WIDENS:  # the first FP8 tiles in flight before any 16-bit buffer is free
         for j in range(gl.minimum(cache_tiles, STAGES)):
-            _cached_boxes(k_cache, v_cache, table, kv_head, col, cache_start + j * BLOCK_N, ready8.index(j),
-                          k8_smem.index(j), v8_smem.index(j), 2 * CACHE_HALF_BYTES, PAGE, BLOCK_N, HEAD_SIZE, PADDED)
+            # (The split layout's FP8 values come by 16-byte copies: a page of 16 FP8 slots is narrower than
+            # the narrowest swizzled box.)
+            _cached_tile(loads, table, kv_head, col, cache_start + j * BLOCK_N, v_rows_per_block, ready8.index(j),
+                         k8_smem.index(j), v8_smem.index(j), 2 * CACHE_HALF_BYTES, HEAD_SIZE, PAGE, BLOCK_N, SPLIT, X,
+                         WARPS, HEAD_DIM, True)
     for it in range(cache_tiles + new_tiles):
         s = it % STAGES
         mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
@@ -229,48 +282,27 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
             if PRODUCER_WIDENS:
                 mbarrier.wait(ready8.index(s), (it // STAGES) & 1)
                 _widen(k8_smem.index(s), k_dst, HEAD_SIZE, WARPS)
-                _widen(v8_smem.index(s), v_smem.index(s), HEAD_SIZE, WARPS)
+                if SPLIT:  # V^T, [D, BLOCK_N]
+                    _widen(v8_smem.index(s), vt_smem.index(s), BLOCK_N, WARPS)
+                else:
+                    _widen(v8_smem.index(s), v_smem.index(s), HEAD_SIZE, WARPS)
                 # The stores are ordered before the consumers' MMA reads, and every warp is done with the FP8
-                # slot before the next tile's boxes overwrite it.
+                # slot before the next tile's copies overwrite it.
                 fence_async_shared()
                 gl.thread_barrier()
                 if it + STAGES < cache_tiles:
-                    _cached_boxes(k_cache, v_cache, table, kv_head, col, cache_start + (it + STAGES) * BLOCK_N,
-                                  ready8.index(s), k8_smem.index(s), v8_smem.index(s), 2 * CACHE_HALF_BYTES, PAGE,
-                                  BLOCK_N, HEAD_SIZE, PADDED)
+                    _cached_tile(loads, table, kv_head, col, cache_start + (it + STAGES) * BLOCK_N, v_rows_per_block,
+                                 ready8.index(s), k8_smem.index(s), v8_smem.index(s), 2 * CACHE_HALF_BYTES, HEAD_SIZE,
+                                 PAGE, BLOCK_N, SPLIT, X, WARPS, HEAD_DIM, True)
                 mbarrier.arrive(ready.index(s), count=1)
+            elif SPLIT:
+                _split_cached_tile(split_keys, split_values, v_cache_t, table, kv_head, col,
+                                   cache_start + it * BLOCK_N, v_rows_per_block, ready.index(s), k_dst,
+                                   vt_smem.index(s), HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM, VT_COPIES)
             else:
-                n0 = cache_start + it * BLOCK_N
-                if SPLIT:
-                    _split_keys_async(split_keys, k_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS,
-                                      HEAD_DIM)
-                    if VT_COPIES:  # values too by 16-byte copies, into V^T in the MMA's 128-byte swizzle
-                        _split_values_async(split_values, vt_smem.index(s), table, kv_head, n0, HEAD_SIZE, PAGE,
-                                            BLOCK_N, WARPS, HEAD_DIM)
-                    # Arrives once this lane's copies have landed; issued before the TMA's expect, so the
-                    # barrier cannot complete on the value bytes alone.
-                    async_copy.mbarrier_arrive(ready.index(s))
-                    if VT_COPIES:
-                        mbarrier.arrive(ready.index(s), count=1)
-                    else:
-                        mbarrier.expect(ready.index(s), CACHE_HALF_BYTES)
-                    for b in gl.static_range(0 if VT_COPIES else BLOCK_N // BOX):
-                        pos = n0 + b * BOX
-                        # A page's values of one head are one [D, PAGE] block: V^T, one box per page.
-                        if PADDED:
-                            # The rank-3 view [blocks x heads, HEAD_DIM, PAGE]: a box of HEAD_SIZE rows reads the
-                            # rows past the head as zeros (outside the view, never another head's values).
-                            page_row = _pages(table, pos, PAGE) * (v_rows_per_block // HEAD_DIM) + kv_head
-                            vt3 = vt_smem.index(s).reshape([1, HEAD_SIZE, BLOCK_N]).slice(b * BOX, BOX, dim=2)
-                            tma.async_copy_global_to_shared(v_cache_t, [page_row, 0, pos % PAGE], ready.index(s),
-                                                            vt3)
-                        else:
-                            row = _pages(table, pos, PAGE) * v_rows_per_block + col
-                            tma.async_copy_global_to_shared(v_cache_t, [row, pos % PAGE], ready.index(s),
-                                                            vt_smem.index(s).slice(b * BOX, BOX, dim=1))
-                else:
-                    _cached_boxes(k_cache, v_cache, table, kv_head, col, n0, ready.index(s), k8_smem.index(s),
-                                  v8_smem.index(s), 2 * CACHE_HALF_BYTES, PAGE, BLOCK_N, HEAD_SIZE, PADDED)
+                _cached_boxes(k_cache, v_cache, table, kv_head, col, cache_start + it * BLOCK_N, ready.index(s),
+                              k8_smem.index(s), v8_smem.index(s), 2 * CACHE_HALF_BYTES, PAGE, BLOCK_N, HEAD_SIZE,
+                              PADDED)
         else:
             mbarrier.expect(ready.index(s), 2 * HALF_BYTES)
             row = seq_row0 + new_start + (it - cache_tiles) * BLOCK_N
@@ -291,12 +323,12 @@ def _wait_tile(ready, it, from_cache, WRITTEN: gl.constexpr, STAGES: gl.constexp
 
 
 @gluon.jit
-def _widen(src, dst, HEAD_SIZE: gl.constexpr, NUM_WARPS: gl.constexpr):
-    """Copy an FP8 key or value tile ``src`` into ``dst`` in the MMA's 16-bit type, exactly (every FP8 value is
-    a bfloat16 and a float16 value; the cache's scales are folded into the logits and the output instead).
-    Each thread moves 16 bytes of FP8 at a time."""
-    LANES_D: gl.constexpr = HEAD_SIZE // 16
-    layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // LANES_D, LANES_D], [NUM_WARPS, 1], [1, 0])
+def _widen(src, dst, COLS: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """Copy an FP8 key or value tile ``src`` (``COLS`` columns: the head size, or the keys of a V^T tile) into
+    ``dst`` in the MMA's 16-bit type, exactly (every FP8 value is a bfloat16 and a float16 value; the cache's
+    scales are folded into the logits and the output instead). Each thread moves 16 bytes of FP8 at a time."""
+    LANES: gl.constexpr = COLS // 16
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // LANES, LANES], [NUM_WARPS, 1], [1, 0])
     dst.store(src.load(layout).to(dst.dtype))
 
 
@@ -375,7 +407,8 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
     tok0, kv_head, chunk, group_size, seq_row0, num_tokens, ctx_len, q_len = rows
     cache_start, cache_tiles, new_start, new_tiles, pos_first, full_from = walk
     alibi_slopes, sinks, window, softcap, qk_scale = features
-    gl.static_assert(not (FP8_CACHE and (OVERLAP or SPLIT)), "FP8 caches: NHD layout, not with OVERLAP")
+    gl.static_assert(not (FP8_CACHE and (OVERLAP or (SPLIT and not PRODUCER_WIDENS))),
+                     "FP8 caches: not with OVERLAP; in the split layout, widened by the producer")
     WIDENS: gl.constexpr = FP8_CACHE and not PRODUCER_WIDENS  # this consumer widens the FP8 tiles itself
     WRITTEN: gl.constexpr = SPLIT or PRODUCER_WIDENS  # cached tiles written by the producer's own stores
     qk_scale_cache = qk_scale
@@ -618,7 +651,7 @@ def hopper_prefill_kernel(
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_SIZE], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_SIZE], kv_layout)
     if SPLIT:
-        if VT_COPIES:  # copied by the producer warp into the layout the MMA reads best
+        if VT_COPIES or FP8_CACHE:  # copied (or widened) by the producer into the layout the MMA reads best
             vt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_SIZE, BLOCK_N], dtype)
         elif HEAD_DIM < HEAD_SIZE:  # the boxes' rank-3 layout, seen as the [D, BLOCK_N] tile it fills
             vt_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=v_cache_t.layout.swizzle_byte_width,
@@ -639,7 +672,11 @@ def hopper_prefill_kernel(
         c_dtype: gl.constexpr = k_cache.dtype
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_SIZE], c_dtype)
         k8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, BLOCK_N, HEAD_SIZE], c_layout)
-        v8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, BLOCK_N, HEAD_SIZE], c_layout)
+        if SPLIT:  # the values as V^T pages, [D, BLOCK_N]
+            v8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, HEAD_SIZE, BLOCK_N],
+                                                gl.NVMMASharedLayout.get_default_for([HEAD_SIZE, BLOCK_N], c_dtype))
+        else:
+            v8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, BLOCK_N, HEAD_SIZE], c_layout)
         if PRODUCER_WIDENS:  # widened once, into the 16-bit ring: no copies of the consumers' own
             kc_smem = k_smem
             vc_smem = v_smem

@@ -28,7 +28,7 @@ HEAD_SIZES = (64, 96, 128, 256)
 PADDED_HEADS = {96: 128}
 #: TMA coordinates are 32-bit.
 MAX_ROWS = 2**31 - 1
-#: FP8 cache formats the kernel reads (NHD): widened to the input dtype exactly, scales folded.
+#: FP8 cache formats the kernel reads: widened to the input dtype exactly, scales folded.
 FP8_CACHES = ("fp8_e4m3", "fp8_e5m2")
 
 
@@ -43,10 +43,12 @@ def shared_bytes(shape: ProblemShape, config: TileConfig, schedule: Optional[dic
     d = PADDED_HEADS.get(shape.head_size, shape.head_size)
     tile = config.block_n * d * 2  # one K or V tile in the input's 16-bit type
     total = config.block_m * d * 2 + config.num_stages * 2 * tile
-    if shape.layout == "split" and not schedule["SHARED_V"]:
+    if shape.layout == "split" and not (schedule["SHARED_V"] and shape.kv_cache_dtype == "auto"):
         total += config.num_stages * tile
     if shape.kv_cache_dtype != "auto":
-        consumers = 0 if schedule["PRODUCER_WIDENS"] else 2 if schedule["PINGPONG"] else 1
+        # The split layout's FP8 tiles are always widened by the producer (kernel_call).
+        widens = schedule["PRODUCER_WIDENS"] or shape.layout == "split"
+        consumers = 0 if widens else 2 if schedule["PINGPONG"] else 1
         total += config.num_stages * 2 * config.block_n * d + consumers * 2 * tile
     return total + 1024
 
@@ -61,9 +63,11 @@ def shape_unfit_reason(shape: ProblemShape, config: TileConfig, max_shared: Opti
         return f"reads the NHD and split cache layouts, not {shape.layout!r}"
     if shape.kv_cache_dtype not in ("auto", *FP8_CACHES):
         return f"reads caches in the input dtype or {' or '.join(FP8_CACHES)}, not {shape.kv_cache_dtype!r}"
-    if shape.kv_cache_dtype != "auto" and (shape.layout != "nhd" or shape.head_size > 128):
-        return f"reads an FP8 cache in the NHD layout for head sizes up to 128 only (its widened copies take " \
-               f"shared memory), not {shape.layout} with head size {shape.head_size}"
+    if shape.kv_cache_dtype != "auto" and shape.head_size > 128:
+        return f"reads an FP8 cache for head sizes up to 128 only (its FP8 ring takes shared memory), not head " \
+               f"size {shape.head_size}"
+    if shape.kv_cache_dtype != "auto" and shape.layout == "split" and SCHEDULE["SHARED_V"]:
+        return "reads an FP8 cache in the split layout with a V^T ring of its own, not under the SHARED_V schedule"
     if shape.head_size not in HEAD_SIZES:
         return f"is built for head sizes {HEAD_SIZES}, not {shape.head_size}"
     if shape.head_size in PADDED_HEADS and shape.layout != "nhd" and SCHEDULE["SHARED_V"]:
@@ -192,12 +196,16 @@ def call_tensors(p: PrefillProblem, config: TileConfig) -> tuple:
         return [n, width] if width == D else [n, 1, width]
 
     if c.layout is KVLayout.SPLIT:
-        # [blocks, Hkv, D, block]: rows of slots; a page of one head is D consecutive rows.
-        swizzle = min(128, box * c.value.element_size())
+        # [blocks, Hkv, D, block]: rows of slots; a page of one head is D consecutive rows. An FP8 cache's
+        # values come by 16-byte copies instead: its descriptor only names their type (a box of 16 FP8 slots
+        # is narrower than the narrowest swizzle, 32 bytes: unswizzled).
+        value = as_stored_type(c.value, c.dtype)
+        swizzle = min(128, box * value.element_size())
+        swizzle = swizzle if swizzle >= 32 else 0
         if width == D:
-            v_cache_t = _descriptor(c.value, 2, (3,), [D, box], swizzle=swizzle)
+            v_cache_t = _descriptor(value, 2, (3,), [D, box], swizzle=swizzle)
         else:  # a padded head: boxes of the tile's width from the rank-3 view, zeros past the head
-            v_cache_t = _value_pages_descriptor(c.value, width, box, swizzle)
+            v_cache_t = _value_pages_descriptor(value, width, box, swizzle)
         k_cache = v_cache = v_cache_t
     else:
         # FP8 caches hold bytes: described as the FP8 type they store, which the kernel widens.
@@ -225,8 +233,10 @@ def _plain_tensors(p: PrefillProblem) -> list:
     q = p.q
     out_scale = o.fp8_out_scale
     split = c.layout is KVLayout.SPLIT
-    keys = c.key if split else q  # split keys are copied, not described
-    values = c.value if split else q  # and split values too under VT_COPIES
+    # Split keys are copied, not described, and split values too under VT_COPIES or from an FP8 cache (as the
+    # FP8 type it stores, which the kernel widens).
+    keys = as_stored_type(c.key, c.dtype) if split else q
+    values = as_stored_type(c.value, c.dtype) if split else q
     fp8 = c.dtype.is_fp8
     k_scale = c.k_scale if fp8 and isinstance(c.k_scale, torch.Tensor) else q
     v_scale = c.v_scale if fp8 and isinstance(c.v_scale, torch.Tensor) else q
@@ -324,8 +334,9 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
     # Only the split layout's copies are shared among the producer's warps (NHD is all TMA, one thread issues).
     # ... and at head size 256 they take a warpgroup: one producer warp spills its copy addresses there.
     schedule["WIDE_PRODUCER"] = (bool(schedule["WIDE_PRODUCER"]) or D > 128) and split
-    schedule["SHARED_V"] = bool(schedule["SHARED_V"]) and split
-    schedule["PRODUCER_WIDENS"] = bool(schedule["PRODUCER_WIDENS"]) and fp8
+    schedule["SHARED_V"] = bool(schedule["SHARED_V"]) and split and not fp8  # an FP8 V^T ring: not built
+    # ... and the split layout's FP8 tiles always: a consumer's own copies are not built for V^T pages.
+    schedule["PRODUCER_WIDENS"] = (bool(schedule["PRODUCER_WIDENS"]) or split) and fp8
     wide, widens = schedule["WIDE_PRODUCER"], schedule["PRODUCER_WIDENS"]
     constexprs = dict(
         HEAD_SIZE=PADDED_HEADS.get(D, D), HEAD_DIM=D, PAGE=p.cache.block_size, BLOCK_M=config.block_m,
