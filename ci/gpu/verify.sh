@@ -7,6 +7,7 @@
 #                in parallel workers; conformance=sm80,bi100 runs the named backends' suites only;
 #   fuzz=N       N random cases against the reference on the selected backend;
 #   bench        `pagedprefill bench` on both layouts with the same-run peers, host overhead and a chart;
+#   bench-context  the same for the context-scaling suite (2 x 1024 new tokens on 8k, 32k and 128k cached);
 #   hopper       ci/gpu/hopper_check.py: sm80's Hopper kernel against the reference on a spread of cases, and
 #                its schedule variants timed against the portable kernel (sm90 only); HOPPER_CHECK_ARGS are its
 #                arguments (default "--quick": four workloads; "" times the whole suite; "--quick --schedule
@@ -67,6 +68,11 @@ for step in ${*:-core-gpu conformance fuzz=2000 bench}; do
       timeout "$limit" python3 -m pagedprefill bench --layout both --no-reference --reps 100 \
         --commit "${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" --json "$out/bench.json" --png "$out/bench.png" \
         2>"$out/bench.log" | tee "$out/bench.txt" || rc=1 ;;
+    bench-context)
+      timeout "$limit" python3 -m pagedprefill bench --suite context --layout both --no-reference --reps 100 \
+        --no-host-overhead --commit "${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}" \
+        --json "$out/bench-context.json" --png "$out/bench-context.png" 2>"$out/bench-context.log" \
+        | tee "$out/bench-context.txt" || rc=1 ;;
     hopper)
       timeout "$limit" python3 ci/gpu/hopper_check.py --reps 60 ${HOPPER_CHECK_ARGS---quick} >"$out/hopper_check.log" 2>&1 || rc=1
       sed -n '/^correctness/,$p' "$out/hopper_check.log" ;;
@@ -104,7 +110,7 @@ for step in ${*:-core-gpu conformance fuzz=2000 bench}; do
       timeout "$limit" python3 -m pagedprefill tune --out "$out/tuned.json" >"$out/tune.txt" 2>"$out/tune.log" || rc=1
       cat "$out/tune.txt"; tail -n 3 "$out/tune.log"
       echo "tune: $(( $(date +%s) - started_tune )) s" ;;
-    *) echo "unknown step $step (core-gpu, conformance[=BACKENDS], fuzz=N, bench, hopper, hopper-schedules, hopper-conformance, guard-cost, host-overhead, tune)"; rc=2 ;;
+    *) echo "unknown step $step (core-gpu, conformance[=BACKENDS], fuzz=N, bench, bench-context, hopper, hopper-schedules, hopper-conformance, guard-cost, host-overhead, tune)"; rc=2 ;;
   esac
 done
 exit $rc

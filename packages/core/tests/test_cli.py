@@ -109,6 +109,24 @@ def test_tune_head_size_must_be_positive():
     assert_user_error(run_cli("tune", "--head-size", "0"), "tune", "argument --head-size: expected a whole number")
 
 
+def test_bench_suite_must_be_one_it_has():
+    assert_user_error(run_cli("bench", "--suite", "huge"), "bench", "argument --suite: invalid choice: 'huge'",
+                      "'context'", "'default'")
+
+
+def test_context_suite_streams_8k_to_128k_cached_tokens():
+    """The context-scaling suite: the same 2 x 1024 new tokens, only the cached prefix grows; its FLOPs are the
+    exact attended pairs (each new token sees the whole prefix and the new tokens up to itself)."""
+    from pagedprefill.workloads import SUITES, flops
+
+    suite = SUITES["context"]()
+    assert [w.spec.context_lens for w in suite] == [(8192,) * 2, (32768,) * 2, (131072,) * 2]
+    for w in suite:
+        assert w.spec.query_lens == (1024, 1024) and (w.spec.num_heads, w.spec.head_size) == (32, 128)
+        c = w.spec.context_lens[0]
+        assert flops(w.spec) == 4 * 128 * 32 * 2 * (1024 * c + 1024 * 1025 // 2)
+
+
 def test_unknown_described_device():
     assert_user_error(run_cli("info", "--describe", "nosuchgpu"), "info", "--describe: expected one of ", "h200",
                       "got 'nosuchgpu'")

@@ -1,5 +1,6 @@
 """Workloads: random paged batches (:class:`BatchSpec`, :func:`make_problem`) for tests, the demo, ``bench``
-and ``tune``, and the benchmark suite (:func:`default_suite`, with exact FLOP counts).
+and ``tune``, and the benchmark suites (:func:`default_suite`, :func:`context_suite`, with exact FLOP
+counts).
 
 Data is N(0, 1) (never zeros), lengths are ragged, and each sequence's blocks are a random subset of the
 cache in shuffled order, with unused blocks also filled with random data, so wrong indexing shows.
@@ -191,6 +192,17 @@ def default_suite() -> list[Workload]:
         Workload("FP8 e4m3 KV prefix-cached", prefix.replace(kv_cache_dtype="fp8_e4m3")),
         Workload("window 4096 chunked", chunked.replace(sliding_window=4096), "in-window FLOPs"),
     ]
+
+
+def context_suite() -> list[Workload]:
+    """Context scaling: two sequences of 1024 new tokens on 8k, 32k and 128k cached tokens each (Llama-3-8B
+    shapes), so that a kernel's speed can be read against the length of the prefix it streams."""
+    base = BatchSpec(**LLAMA3_8B, spare_blocks=0, query_lens=(1024,) * 2)
+    return [Workload(f"context 2x(1024+{k}k)", base.replace(context_lens=(k * 1024,) * 2)) for k in (8, 32, 128)]
+
+
+#: The suites ``pagedprefill bench --suite`` runs, by name.
+SUITES = {"default": default_suite, "context": context_suite}
 
 
 def attended_pairs(spec: BatchSpec) -> int:

@@ -28,7 +28,7 @@ from .. import accelerator
 from ..cache import gather_kv
 from ..features import check_runnable
 from ..types import PrefillProblem
-from ..workloads import BatchSpec, Workload, default_suite, flops, fresh_output, make_problem
+from ..workloads import SUITES, BatchSpec, Workload, flops, fresh_output, make_problem
 from .arguments import data_device, positive_int
 
 
@@ -271,7 +271,7 @@ def cmd_bench(args) -> int:
     device = torch.device(args.device or accel)
     info = DeviceInfo.detect(device)
     backends = args.backend or [select_backend(info).name]
-    suite = default_suite()
+    suite = SUITES[args.suite]()
     if args.only:
         suite = [w for w in suite if any(s.lower() in w.name.lower() for s in args.only)]
     start = time.time()
@@ -286,7 +286,7 @@ def cmd_bench(args) -> int:
                 say(f"host overhead: {name} {layout}")
                 overhead.append(host_overhead(device, name, layout))
     meta = {"device": info.describe(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-            "backends": backends, "layouts": list(layouts), "commit": args.commit,
+            "suite": args.suite, "backends": backends, "layouts": list(layouts), "commit": args.commit,
             "seconds": round(time.time() - start, 1)}
     print(f"\n{meta['device']}, torch {meta['torch']}, {meta['date']}, commit {args.commit or '?'}")
     print("\nTFLOP/s (median):\n")
@@ -311,6 +311,9 @@ def register(sub) -> None:
     p = sub.add_parser("bench", help="time the workload suite for backends and peers (GPU)")
     p.add_argument("--backend", action="append", help="backend to time (repeatable; default: the selected one)")
     p.add_argument("--device", type=data_device, default=None, help="CUDA device to time on (default: the current)")
+    p.add_argument("--suite", choices=sorted(SUITES), default="default",
+                   help="workloads to time: the performance table's (default) or context scaling, 2 x 1024 new "
+                        "tokens on 8k, 32k and 128k cached (context)")
     p.add_argument("--only", action="append", help="run workloads whose name contains this (repeatable)")
     p.add_argument("--reps", type=positive_int, default=200, help="do_bench repetition budget in ms (default 200)")
     p.add_argument("--layout", choices=["split", "nhd", "both"], default="both",
