@@ -54,7 +54,9 @@ class StandIn:
         return config
 
 
-def test_the_sweep_drops_a_wrong_tile_and_keeps_the_fastest_median(monkeypatch):
+def sweep(monkeypatch, time_tile) -> tuple[dict, list[str]]:
+    """``tune`` over :class:`StandIn`'s tiles in three rounds, each tile's timing given by ``time_tile(tile)``;
+    the result and the log lines."""
     backend = StandIn()
 
     class Registry:
@@ -62,16 +64,16 @@ def test_the_sweep_drops_a_wrong_tile_and_keeps_the_fastest_median(monkeypatch):
             return backend
 
     monkeypatch.setattr(pagedprefill.api, "get_registry", lambda: Registry())
-    slowdown = itertools.count()
-
-    def fake_do_bench(fn, warmup, rep, return_mode):
-        config = fn()
-        # FAST is faster in every round, and the clock drifts by more than the difference between them.
-        return (1.0 if config == FAST else 1.2) + 0.5 * next(slowdown)
-
-    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, warmup, rep, return_mode: time_tile(fn()))
     lines = []
     result = tune("standin", [64], ["bf16"], ["long"], torch.device("cpu"), log=lines.append, rounds=3)
+    return result, lines
+
+
+def test_the_sweep_drops_a_wrong_tile_and_keeps_the_fastest_median(monkeypatch):
+    slowdown = itertools.count()
+    # FAST is faster in every round, and the clock drifts by more than the difference between them.
+    result, lines = sweep(monkeypatch, lambda tile: (1.0 if tile == FAST else 1.2) + 0.5 * next(slowdown))
     assert list(result["entries"].values()) == [FAST]
     assert any("rejected: AssertionError" in line and "'num_stages': 3" in line for line in lines), lines
     assert sum("(rounds " in line for line in lines) == 2, lines
@@ -81,20 +83,7 @@ def test_the_sweep_drops_a_wrong_tile_and_keeps_the_fastest_median(monkeypatch):
 
 
 def test_the_sweep_says_when_the_winner_stands_clear_of_its_rounds_spread(monkeypatch):
-    backend = StandIn()
-
-    class Registry:
-        def get(self, name):
-            return backend
-
-    monkeypatch.setattr(pagedprefill.api, "get_registry", lambda: Registry())
     jitter = itertools.cycle([0.0, 0.01, 0.02])
-
-    def fake_do_bench(fn, warmup, rep, return_mode):
-        return (1.0 if fn() == FAST else 1.2) + next(jitter)
-
-    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
-    lines = []
-    result = tune("standin", [64], ["bf16"], ["long"], torch.device("cpu"), log=lines.append, rounds=3)
+    result, lines = sweep(monkeypatch, lambda tile: (1.0 if tile == FAST else 1.2) + next(jitter))
     assert [(r[2], r[3]) for r in result["report"]] == [(FAST, True)]
     assert not any("separate them" in line for line in lines), lines
