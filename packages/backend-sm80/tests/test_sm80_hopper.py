@@ -371,13 +371,18 @@ def test_auto_leaves_a_route_not_yet_run_on_a_gpu_to_the_portable_kernel(monkeyp
     assert choose_kernel(shape(kv_cache_dtype="fp8_e4m3", layout="split"), H200) == ("hopper", f"{KERNEL_ENV}=hopper")
 
 
-def test_split_fp8_is_refused_under_the_shared_v_schedule(monkeypatch):
-    import pagedprefill_sm80.hopper.launch as launch
+def test_flags_that_do_not_apply_to_a_call_are_dropped_for_the_launch_and_the_memory_model():
+    """``resolve_schedule`` is what the launch compiles and what ``shared_bytes`` counts: the split layout's
+    FP8 cache keeps its own V^T ring under ``SHARED_V`` and is widened by the producer under every schedule."""
+    from pagedprefill_sm80.hopper.launch import resolve_schedule, shared_bytes
 
-    monkeypatch.setenv(KERNEL_ENV, "hopper")
-    monkeypatch.setattr(launch, "SCHEDULE", {**launch.SCHEDULE, "SHARED_V": True})
-    kernel, why = choose_kernel(shape(kv_cache_dtype="fp8_e4m3", layout="split"), H200)
-    assert kernel == "portable" and "not under the SHARED_V schedule" in why, why
+    split_fp8 = shape(kv_cache_dtype="fp8_e4m3", layout="split")
+    config = hopper_config(split_fp8)
+    odd = dict(SHARED_V=True, PRODUCER_WIDENS=False, OVERLAP=True)
+    flags = resolve_schedule(split_fp8, config, odd)
+    assert (flags["SHARED_V"], flags["PRODUCER_WIDENS"], flags["OVERLAP"]) == (False, True, False)
+    assert shared_bytes(split_fp8, config, odd) == shared_bytes(split_fp8, config)
+    assert resolve_schedule(shape(layout="split"), config, odd)["SHARED_V"]  # a 16-bit cache shares the ring
 
 
 def test_auto_takes_the_split_layouts_head_sizes_96_and_256(monkeypatch):

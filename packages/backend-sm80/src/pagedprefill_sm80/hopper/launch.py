@@ -38,17 +38,15 @@ def shared_bytes(shape: ProblemShape, config: TileConfig, schedule: Optional[dic
     1 KiB for the barriers (they take about 0.3 KiB). Within that margin of what Triton allocated for every
     policy tile of the bench suite (``ci/codegen_report.py``: 160.2 KiB for 128 x 128 keys in 2 stages at head
     size 128 on NHD, 224.3 KiB on split, 192.2 KiB for head size 256 on 128 x 64 in 2 stages). ``schedule``:
-    the flags it is compiled with (default :data:`SCHEDULE`)."""
-    schedule = {**SCHEDULE, **(schedule or {})}
+    the flags it is compiled with (default :data:`SCHEDULE`; :func:`resolve_schedule`)."""
+    schedule = resolve_schedule(shape, config, schedule)
     d = PADDED_HEADS.get(shape.head_size, shape.head_size)
     tile = config.block_n * d * 2  # one K or V tile in the input's 16-bit type
     total = config.block_m * d * 2 + config.num_stages * 2 * tile
-    if shape.layout == "split" and not (schedule["SHARED_V"] and shape.kv_cache_dtype == "auto"):
+    if shape.layout == "split" and not schedule["SHARED_V"]:
         total += config.num_stages * tile
     if shape.kv_cache_dtype != "auto":
-        # The split layout's FP8 tiles are always widened by the producer (kernel_call).
-        widens = schedule["PRODUCER_WIDENS"] or shape.layout == "split"
-        consumers = 0 if widens else 2 if schedule["PINGPONG"] else 1
+        consumers = 0 if schedule["PRODUCER_WIDENS"] else 2 if schedule["PINGPONG"] else 1
         total += config.num_stages * 2 * config.block_n * d + consumers * 2 * tile
     return total + 1024
 
@@ -66,14 +64,13 @@ def shape_unfit_reason(shape: ProblemShape, config: TileConfig, max_shared: Opti
     if shape.kv_cache_dtype != "auto" and shape.head_size > 128:
         return f"reads an FP8 cache for head sizes up to 128 only (its FP8 ring takes shared memory), not head " \
                f"size {shape.head_size}"
-    if shape.kv_cache_dtype != "auto" and shape.layout == "split" and SCHEDULE["SHARED_V"]:
-        return "reads an FP8 cache in the split layout with a V^T ring of its own, not under the SHARED_V schedule"
     if shape.head_size not in HEAD_SIZES:
         return f"is built for head sizes {HEAD_SIZES}, not {shape.head_size}"
-    if shape.head_size in PADDED_HEADS and shape.layout != "nhd" and SCHEDULE["SHARED_V"]:
+    shared_v = resolve_schedule(shape, config)["SHARED_V"]
+    if shape.head_size in PADDED_HEADS and shared_v:
         return f"reads head size {shape.head_size} (padded to {PADDED_HEADS[shape.head_size]}) in the split " \
                f"layout with a V^T ring of its own, not under the SHARED_V schedule"
-    if shape.layout == "split" and shape.head_size > 128 and not SCHEDULE["SHARED_V"] and config.block_n > 32:
+    if shape.layout == "split" and shape.head_size > 128 and not shared_v and config.block_n > 32:
         return f"reads the split layout at head size {shape.head_size} with up to 32 keys per step (its V^T ring " \
                f"takes shared memory; the SHARED_V schedule makes room for more), not block_n={config.block_n}"
     page, block_n = shape.block_size, config.block_n
@@ -300,6 +297,26 @@ def parse_schedule(text: str) -> dict:
     return flags
 
 
+def resolve_schedule(shape: ProblemShape, config: TileConfig, schedule: Optional[dict] = None) -> dict:
+    """The flags calls of ``shape`` with ``config`` are compiled with: :data:`SCHEDULE` updated by ``schedule``,
+    less what does not apply to them and plus what they always take. The launch and the shared-memory model
+    both read it."""
+    schedule = {**SCHEDULE, **(schedule or {})}
+    split, fp8 = shape.layout == "split", shape.kv_cache_dtype != "auto"
+    # Two consumer partitions need two warpgroups' worth of rows.
+    schedule["PINGPONG"] = bool(schedule["PINGPONG"]) and config.num_warps == 8
+    schedule["TURNS"] = bool(schedule["TURNS"]) and schedule["PINGPONG"]
+    # FP8 tiles are widened before their MMAs: the overlapped issue order is not built for that.
+    schedule["OVERLAP"] = bool(schedule["OVERLAP"]) and not fp8
+    # Only the split layout's copies are shared among the producer's warps (NHD is all TMA, one thread issues).
+    # ... and at head size 256 they take a warpgroup: one producer warp spills its copy addresses there.
+    schedule["WIDE_PRODUCER"] = (bool(schedule["WIDE_PRODUCER"]) or shape.head_size > 128) and split
+    schedule["SHARED_V"] = bool(schedule["SHARED_V"]) and split and not fp8  # an FP8 V^T ring: not built
+    # ... and the split layout's FP8 tiles always: a consumer's own copies are not built for V^T pages.
+    schedule["PRODUCER_WIDENS"] = (bool(schedule["PRODUCER_WIDENS"]) or split) and fp8
+    return schedule
+
+
 def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape,
                 schedule: Optional[dict] = None) -> Optional[KernelCall]:
     """The launch of the Hopper kernel for ``problem`` with the settled ``config`` (and ``schedule``, by
@@ -325,18 +342,7 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
     scalars = (qk_scale, out_scale_value, k_scale, v_scale, softcap, opts.sliding_window or 0, B, T, p.cache.num_blocks,
                table.shape[1], group, p.q.stride(0), p.q.stride(1), p.out.stride(0), p.out.stride(1),
                table.stride(0), *split_strides, p.num_kv_heads * D, value_row_stride)
-    schedule = {**SCHEDULE, **(schedule or {})}
-    # Two consumer partitions need two warpgroups' worth of rows.
-    schedule["PINGPONG"] = bool(schedule["PINGPONG"]) and config.num_warps == 8
-    schedule["TURNS"] = bool(schedule["TURNS"]) and schedule["PINGPONG"]
-    # FP8 tiles are widened before their MMAs: the overlapped issue order is not built for that.
-    schedule["OVERLAP"] = bool(schedule["OVERLAP"]) and not fp8
-    # Only the split layout's copies are shared among the producer's warps (NHD is all TMA, one thread issues).
-    # ... and at head size 256 they take a warpgroup: one producer warp spills its copy addresses there.
-    schedule["WIDE_PRODUCER"] = (bool(schedule["WIDE_PRODUCER"]) or D > 128) and split
-    schedule["SHARED_V"] = bool(schedule["SHARED_V"]) and split and not fp8  # an FP8 V^T ring: not built
-    # ... and the split layout's FP8 tiles always: a consumer's own copies are not built for V^T pages.
-    schedule["PRODUCER_WIDENS"] = (bool(schedule["PRODUCER_WIDENS"]) or split) and fp8
+    schedule = resolve_schedule(shape, config, schedule)
     wide, widens = schedule["WIDE_PRODUCER"], schedule["PRODUCER_WIDENS"]
     constexprs = dict(
         HEAD_SIZE=PADDED_HEADS.get(D, D), HEAD_DIM=D, PAGE=p.cache.block_size, BLOCK_M=config.block_m,
