@@ -297,7 +297,8 @@ def test_info_shows_each_routes_kernel_and_reason():
     fp8 = [line.split() for line in lines if line.lstrip().startswith("FP8 e4m3 KV")]
     assert sorted(r[4:6] for r in fp8) == [["nhd", "hopper"], ["split", "hopper"]], proc.stdout
     # Under auto every bench row runs the Hopper kernel and says why; the portable kernel, when asked for, says so.
-    for wanted, kernel, reason in (("auto", "hopper", "is the faster one"), ("portable", "portable", f"{KERNEL_ENV}=portable")):
+    asked = (("auto", "hopper", "is the faster one"), ("portable", "portable", f"{KERNEL_ENV}=portable"))
+    for wanted, kernel, reason in asked:
         env[KERNEL_ENV] = wanted
         proc = subprocess.run([sys.executable, "-m", "pagedprefill", "info", "--describe", "h200"],
                               capture_output=True, text=True, timeout=300, env=env)
