@@ -110,6 +110,8 @@ VARIANTS = [
     ("pingpong-shared-v-n128-s3", dict(block_n=128, num_stages=3),
      dict(HEAVY_FIRST=True, PINGPONG=True, SHARED_V=True)),
     ("pingpong-shared-v-wide-producer", {}, dict(HEAVY_FIRST=True, PINGPONG=True, SHARED_V=True, WIDE_PRODUCER=True)),
+    # The split layout's cached keys read by a producer warpgroup with loads and stores instead of 16-byte copies.
+    ("pingpong-key-loads", {}, dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=True)),
     # FP8 caches widened once by a producer warpgroup (the consumers' copies freed: room for 3 stages).
     ("pingpong-producer-widens", {}, dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=True)),
     ("pingpong-producer-widens-s3", dict(num_stages=3), dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=True)),

@@ -139,6 +139,7 @@ SCHEDULES = {
     "pingpong-shared-v": dict(HEAVY_FIRST=True, PINGPONG=True, SHARED_V=True),
     "pingpong-producer-widens": dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=True),
     "pingpong-consumers-widen": dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=False),
+    "pingpong-key-loads": dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=True),
 }
 
 
@@ -173,7 +174,9 @@ def without_interpreter() -> dict:
     tests, decorates kernels for the CPU and Gluon refuses those)."""
     import os
 
-    return {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", KERNEL_ENV)}
+    from pagedprefill_sm80.hopper.launch import SCHEDULE_ENV
+
+    return {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", KERNEL_ENV, SCHEDULE_ENV)}
 
 
 def test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma():
@@ -193,8 +196,10 @@ def test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma():
         assert summary["wgmma"] > 0 and summary["mma_sync"] == 0, name
         # TMA boxes for every call but a split one whose values are copied and whose new K/V are in the cache.
         assert summary["tma_copies"] > 0 or (name.startswith("split-vllm") and name.endswith("vt-copies")), name
-        # Split-layout keys have no TMA view: 16-byte asynchronous copies by the producer warp.
-        assert (summary["async_copies"] > 0) == name.startswith("split"), name
+        # Split-layout keys have no TMA view: 16-byte asynchronous copies by the producer warp (under key-loads,
+        # loads and stores; an FP8 cache's values are copies still).
+        copied = name.startswith("split") and ("fp8" in name or not name.endswith("/pingpong-key-loads"))
+        assert (summary["async_copies"] > 0) == copied, name
         assert summary["spill_bytes"] in (0, None), name
         assert summary["shared_bytes"] <= H200.max_shared_mem, name
         # The policy's shared-memory model (for the default, ping-pong schedule) bounds what Triton allocated,
@@ -229,6 +234,14 @@ def test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma():
             assert shared_v["modelled_shared"] < pingpong["modelled_shared"], call
         else:  # nothing to copy differently in the NHD layout
             assert copies == pingpong == wide == summaries[f"{call}/pingpong-shared-v"], call
+        key_loads = summaries[f"{call}/pingpong-key-loads"]
+        if call.startswith("split"):
+            # The keys by loads and stores of a producer warpgroup: fewer copies (an FP8 cache's values only),
+            # the value boxes still there.
+            assert key_loads["async_copies"] < pingpong["async_copies"], call
+            assert key_loads["tma_copies"] > 0, call
+        else:
+            assert key_loads == pingpong, call
         widened = summaries[f"{call}/pingpong-producer-widens"]
         own_copies = summaries[f"{call}/pingpong-consumers-widen"]
         assert widened == pingpong, call  # the default schedule
@@ -395,6 +408,46 @@ def test_flags_that_do_not_apply_to_a_call_are_dropped_for_the_launch_and_the_me
     assert (flags["SHARED_V"], flags["PRODUCER_WIDENS"], flags["OVERLAP"]) == (False, True, False)
     assert shared_bytes(split_fp8, config, odd) == shared_bytes(split_fp8, config)
     assert resolve_schedule(shape(layout="split"), config, odd)["SHARED_V"]  # a 16-bit cache shares the ring
+
+
+def test_key_loads_apply_to_split_tiles_of_at_least_32_keys_with_a_warpgroups_registers(monkeypatch):
+    """``KEY_LOADS`` reads split keys 32 at a time through a producer warpgroup: dropped for NHD and for
+    narrower tiles, and the launch gives that warpgroup the registers of one that widens FP8 tiles."""
+    from dataclasses import replace
+
+    from pagedprefill_sm80.hopper.launch import (
+        SCHEDULE_ENV,
+        WIDENING_CONSUMER_REGS,
+        WIDENING_PRODUCER_REGS,
+        resolve_schedule,
+    )
+
+    monkeypatch.delenv(SCHEDULE_ENV, raising=False)
+    split = shape(layout="split")
+    config = hopper_config(split)
+    asked = dict(KEY_LOADS=True)
+    assert resolve_schedule(split, config, asked)["KEY_LOADS"]
+    assert not resolve_schedule(shape(), hopper_config(shape()), asked)["KEY_LOADS"]
+    assert not resolve_schedule(split, replace(config, block_n=16), asked)["KEY_LOADS"]
+    assert not resolve_schedule(split, config)["KEY_LOADS"]  # off by default
+    call = kernel_call(make_problem(SPEC.replace(layout="split")), config, split, asked)
+    assert call.constexprs["KEY_LOADS"]
+    assert (call.constexprs["PRODUCER_REGS"], call.constexprs["CONSUMER_REGS"]) == \
+        (WIDENING_PRODUCER_REGS, WIDENING_CONSUMER_REGS)
+
+
+def test_schedule_flags_from_the_environment_sit_between_the_default_and_the_callers(monkeypatch):
+    from pagedprefill_sm80.hopper.launch import SCHEDULE_ENV, resolve_schedule
+
+    split = shape(layout="split")
+    config = hopper_config(split)
+    monkeypatch.setenv(SCHEDULE_ENV, "KEY_LOADS=1, HEAVY_FIRST=0")
+    flags = resolve_schedule(split, config)
+    assert flags["KEY_LOADS"] and not flags["HEAVY_FIRST"]
+    assert not resolve_schedule(split, config, dict(KEY_LOADS=False))["KEY_LOADS"]
+    monkeypatch.setenv(SCHEDULE_ENV, "KEY_LOADS=yes")
+    with pytest.raises(ValueError, match=f"{SCHEDULE_ENV}: schedule: expected NAME=0 or NAME=1 .*got 'KEY_LOADS=yes'"):
+        resolve_schedule(split, config)
 
 
 def test_auto_takes_the_split_layouts_head_sizes_96_and_256(monkeypatch):

@@ -102,34 +102,75 @@ def _pages(table, pos, PAGE: gl.constexpr):
 
 
 @gluon.jit
-def _split_keys_async(split_keys, k_dst, table, kv_head, n0,
-                      HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, X: gl.constexpr,
-                      WARPS: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """Copy one tile of cached keys from the split layout ``[blocks, Hkv, D / X, PAGE, X]`` into the
-    ``[BLOCK_N, D]`` tile the QK^T MMA reads, 16 bytes (one ``X`` vector) per asynchronous copy.
-
-    The split layout has no 2-D view a TMA box could take, so the producer's ``WARPS`` warps copy: their lanes
-    walk along the slots of a page, where consecutive ``X`` vectors of one ``d // X`` group are contiguous.
-    ``split_keys`` is ``(K_cache, stride_block, stride_head, stride_group)``, strides multiples of ``X``.
-    A head of ``HEAD_DIM`` < ``HEAD_SIZE`` columns (96 on a 128-wide tile) fills the columns past it with zeros
-    (masked copies read nothing there), so that they add nothing to the scores.
-    """
+def _split_key_pointers(split_keys, table, kv_head, n0, ROWS: gl.constexpr, HEAD_SIZE: gl.constexpr,
+                        PAGE: gl.constexpr, X: gl.constexpr, HEAD_DIM: gl.constexpr, layout: gl.constexpr):
+    """Pointers to ``ROWS`` cached keys from position ``n0`` in the split layout ``[blocks, Hkv, D / X, PAGE, X]``,
+    as a ``[ROWS, HEAD_SIZE]`` tile in ``layout``, and the mask of the columns inside the head (all true unless
+    ``HEAD_DIM`` < ``HEAD_SIZE``). ``split_keys`` is ``(K_cache, stride_block, stride_head, stride_group)``,
+    strides multiples of ``X``."""
     K_cache, stride_kb, stride_kh, stride_kd = split_keys
-    LANES_N: gl.constexpr = 16 if BLOCK_N >= 16 else BLOCK_N
-    k_ld: gl.constexpr = gl.BlockedLayout([1, X], [LANES_N, 32 // LANES_N], [WARPS, 1], [0, 1])
-    offs_n = gl.arange(0, BLOCK_N, gl.SliceLayout(1, k_ld))
-    offs_d = gl.arange(0, HEAD_SIZE, gl.SliceLayout(0, k_ld))
+    offs_n = gl.arange(0, ROWS, gl.SliceLayout(1, layout))
+    offs_d = gl.arange(0, HEAD_SIZE, gl.SliceLayout(0, layout))
     pos = n0 + offs_n
     pages = _pages(table, pos, PAGE).to(gl.int64)
     row_off = pages * aligned(stride_kb, X) + kv_head.to(gl.int64) * aligned(stride_kh, X) + (pos % PAGE) * X
     col_off = (offs_d // X) * aligned(stride_kd, X) + offs_d % X
     ptrs = K_cache + gl.expand_dims(row_off, 1) + gl.expand_dims(col_off, 0)
+    # The mask takes the pointers' 2-D shape and layout: the always-true key term only broadcasts it.
+    in_head = gl.expand_dims(offs_n >= 0, 1) & gl.expand_dims(offs_d < HEAD_DIM, 0)
+    return ptrs, in_head
+
+
+@gluon.jit
+def _split_keys_async(split_keys, k_dst, table, kv_head, n0,
+                      HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, X: gl.constexpr,
+                      WARPS: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Copy one tile of cached keys from the split layout into the ``[BLOCK_N, D]`` tile the QK^T MMA reads,
+    16 bytes (one ``X`` vector) per asynchronous copy.
+
+    The split layout has no 2-D view a TMA box could take, so the producer's ``WARPS`` warps copy: their lanes
+    walk along the slots of a page, where consecutive ``X`` vectors of one ``d // X`` group are contiguous.
+    A head of ``HEAD_DIM`` < ``HEAD_SIZE`` columns (96 on a 128-wide tile) fills the columns past it with zeros
+    (masked copies read nothing there), so that they add nothing to the scores.
+    """
+    LANES_N: gl.constexpr = 16 if BLOCK_N >= 16 else BLOCK_N
+    k_ld: gl.constexpr = gl.BlockedLayout([1, X], [LANES_N, 32 // LANES_N], [WARPS, 1], [0, 1])
+    ptrs, in_head = _split_key_pointers(split_keys, table, kv_head, n0, BLOCK_N, HEAD_SIZE, PAGE, X, HEAD_DIM, k_ld)
     if HEAD_DIM < HEAD_SIZE:
-        # The mask takes the pointers' 2-D shape and layout: the always-true key term only broadcasts it.
-        in_head = gl.expand_dims(offs_n >= 0, 1) & gl.expand_dims(offs_d < HEAD_DIM, 0)
         async_copy.async_copy_global_to_shared(k_dst, ptrs, mask=in_head)
     else:
         async_copy.async_copy_global_to_shared(k_dst, ptrs)
+
+
+@gluon.jit
+def _load_in_head(ptrs, in_head, PADDED: gl.constexpr):
+    """Load a tile of keys; columns past a padded head (``PADDED``) read as zeros."""
+    if PADDED:
+        return gl.load(ptrs, mask=in_head, other=0.0)
+    else:
+        return gl.load(ptrs)
+
+
+@gluon.jit
+def _split_keys_loaded(split_keys, k_dst, table, kv_head, n0,
+                       HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, X: gl.constexpr,
+                       WARPS: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """The same tile as :func:`_split_keys_async`, through registers: ordinary 16-byte loads, which the L1 merges
+    into one L2 request per 128-byte line (a 16-byte asynchronous copy is an L2 request of its own: on the split
+    layout those requests, not the bytes, bound the L2), stored into ``k_dst``. ``CHUNK`` keys at a time, the
+    next chunk's loads issued before this chunk's stores. ``WARPS`` is 4 (a producer warpgroup); the stores are
+    complete when this returns."""
+    CHUNK: gl.constexpr = 32
+    k_ld: gl.constexpr = gl.BlockedLayout([1, X], [16, 2], [2, WARPS // 2], [0, 1])
+    ptrs, in_head = _split_key_pointers(split_keys, table, kv_head, n0, CHUNK, HEAD_SIZE, PAGE, X, HEAD_DIM, k_ld)
+    keys = _load_in_head(ptrs, in_head, HEAD_DIM < HEAD_SIZE)
+    for c in gl.static_range(1, BLOCK_N // CHUNK):
+        ptrs, in_head = _split_key_pointers(split_keys, table, kv_head, n0 + c * CHUNK, CHUNK, HEAD_SIZE, PAGE, X,
+                                            HEAD_DIM, k_ld)
+        following = _load_in_head(ptrs, in_head, HEAD_DIM < HEAD_SIZE)
+        k_dst.slice((c - 1) * CHUNK, CHUNK).store(keys)
+        keys = following
+    k_dst.slice(BLOCK_N - CHUNK, CHUNK).store(keys)
 
 
 @gluon.jit
@@ -195,18 +236,27 @@ def _cached_boxes(k_cache, v_cache, table, kv_head, col, n0, barrier, k_dst, v_d
 @gluon.jit
 def _split_cached_tile(split_keys, split_values, v_cache_t, table, kv_head, col, n0, v_rows_per_block, barrier,
                        k_dst, vt_dst, HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
-                       X: gl.constexpr, WARPS: gl.constexpr, HEAD_DIM: gl.constexpr, VALUE_COPIES: gl.constexpr):
-    """One split-layout tile of cached keys into ``k_dst`` (``[BLOCK_N, D]``, 16-byte copies) and of its values
-    into ``vt_dst`` as V^T (``[D, BLOCK_N]``): one TMA box per page, or with ``VALUE_COPIES`` 16-byte copies.
-    ``barrier`` completes once every copy has landed."""
+                       X: gl.constexpr, WARPS: gl.constexpr, HEAD_DIM: gl.constexpr, VALUE_COPIES: gl.constexpr,
+                       KEY_LOADS: gl.constexpr):
+    """One split-layout tile of cached keys into ``k_dst`` (``[BLOCK_N, D]``, 16-byte copies, or with
+    ``KEY_LOADS`` loads and stores) and of its values into ``vt_dst`` as V^T (``[D, BLOCK_N]``): one TMA box per
+    page, or with ``VALUE_COPIES`` 16-byte copies. ``barrier`` completes once every copy has landed."""
     BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
     VALUE_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * v_cache_t.dtype.primitive_bitwidth // 8
-    _split_keys_async(split_keys, k_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM)
+    if KEY_LOADS:
+        _split_keys_loaded(split_keys, k_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM)
+    else:
+        _split_keys_async(split_keys, k_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM)
     if VALUE_COPIES:
         _split_values_async(split_values, vt_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, WARPS, HEAD_DIM)
     # Arrives once this lane's copies have landed; issued before the TMA's expect, so the barrier cannot
     # complete on the value bytes alone.
     async_copy.mbarrier_arrive(barrier)
+    if KEY_LOADS:
+        # The keys are ordinary stores: ordered before the MMA's reads, and every producer warp's done before
+        # the one arrival below.
+        fence_async_shared()
+        gl.thread_barrier()
     if VALUE_COPIES:
         mbarrier.arrive(barrier, count=1)
     else:
@@ -228,13 +278,14 @@ def _split_cached_tile(split_keys, split_values, v_cache_t, table, kv_head, col,
 @gluon.jit
 def _cached_tile(loads, table, kv_head, col, n0, v_rows_per_block, barrier, k_dst, v_dst, TILE_BYTES: gl.constexpr,
                  HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr,
-                 X: gl.constexpr, WARPS: gl.constexpr, HEAD_DIM: gl.constexpr, VALUE_COPIES: gl.constexpr):
+                 X: gl.constexpr, WARPS: gl.constexpr, HEAD_DIM: gl.constexpr, VALUE_COPIES: gl.constexpr,
+                 KEY_LOADS: gl.constexpr):
     """One tile of cached keys and values into ``k_dst`` and ``v_dst`` (V^T in the split layout), completing
     ``barrier``: TMA boxes per page (NHD, ``TILE_BYTES`` for K and V), or the split layout's copies and boxes."""
     k_cache, v_cache, _, _, v_cache_t, split_keys, split_values = loads
     if SPLIT:
         _split_cached_tile(split_keys, split_values, v_cache_t, table, kv_head, col, n0, v_rows_per_block, barrier,
-                           k_dst, v_dst, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM, VALUE_COPIES)
+                           k_dst, v_dst, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM, VALUE_COPIES, KEY_LOADS)
     else:
         _cached_boxes(k_cache, v_cache, table, kv_head, col, n0, barrier, k_dst, v_dst, TILE_BYTES, PAGE, BLOCK_N,
                       HEAD_SIZE, HEAD_DIM < HEAD_SIZE)
@@ -244,7 +295,7 @@ def _cached_tile(loads, table, kv_head, col, n0, v_rows_per_block, barrier, k_ds
 def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk,
               HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               SPLIT: gl.constexpr, X: gl.constexpr, HEAD_DIM: gl.constexpr, VT_COPIES: gl.constexpr,
-              WARPS: gl.constexpr, PRODUCER_WIDENS: gl.constexpr):
+              WARPS: gl.constexpr, PRODUCER_WIDENS: gl.constexpr, KEY_LOADS: gl.constexpr):
     """Fill the ring: for each key tile, wait until its buffer is free, then issue the copies of K and V and
     let the ``ready`` barrier count their bytes (TMA) and their completion (asynchronous copies).
 
@@ -253,7 +304,8 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
     block count, ``walk`` the key tiles (:func:`_key_tiles`; the consumers' row positions are not used here).
     A head size ``HEAD_DIM`` below the tile's width ``HEAD_SIZE`` (NHD; not a power of two) comes through rank-3
     descriptors (``[rows, heads, head size]``), whose boxes of ``HEAD_SIZE`` columns read the columns past the
-    head as zeros. ``WARPS``: the producer partition's warps, which share the split layout's 16-byte copies.
+    head as zeros. ``WARPS``: the producer partition's warps, which share the split layout's 16-byte copies
+    (``KEY_LOADS``: its keys' loads and stores).
 
     ``PRODUCER_WIDENS`` (an FP8 cache): the cached tiles land in the FP8 ring (``k8_smem``/``v8_smem``, counted by
     ``ready8``; NHD by TMA, the split layout by 16-byte copies, its values as V^T), up to ``STAGES`` tiles
@@ -273,7 +325,7 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
             # the narrowest swizzled box.)
             _cached_tile(loads, table, kv_head, col, cache_start + j * BLOCK_N, v_rows_per_block, ready8.index(j),
                          k8_smem.index(j), v8_smem.index(j), 2 * CACHE_HALF_BYTES, HEAD_SIZE, PAGE, BLOCK_N, SPLIT, X,
-                         WARPS, HEAD_DIM, True)
+                         WARPS, HEAD_DIM, True, KEY_LOADS)
     for it in range(cache_tiles + new_tiles):
         s = it % STAGES
         mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
@@ -293,12 +345,13 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
                 if it + STAGES < cache_tiles:
                     _cached_tile(loads, table, kv_head, col, cache_start + (it + STAGES) * BLOCK_N, v_rows_per_block,
                                  ready8.index(s), k8_smem.index(s), v8_smem.index(s), 2 * CACHE_HALF_BYTES, HEAD_SIZE,
-                                 PAGE, BLOCK_N, SPLIT, X, WARPS, HEAD_DIM, True)
+                                 PAGE, BLOCK_N, SPLIT, X, WARPS, HEAD_DIM, True, KEY_LOADS)
                 mbarrier.arrive(ready.index(s), count=1)
             elif SPLIT:
                 _split_cached_tile(split_keys, split_values, v_cache_t, table, kv_head, col,
                                    cache_start + it * BLOCK_N, v_rows_per_block, ready.index(s), k_dst,
-                                   vt_smem.index(s), HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM, VT_COPIES)
+                                   vt_smem.index(s), HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM, VT_COPIES,
+                                   KEY_LOADS)
             else:
                 _cached_boxes(k_cache, v_cache, table, kv_head, col, cache_start + it * BLOCK_N, ready.index(s),
                               k8_smem.index(s), v8_smem.index(s), 2 * CACHE_HALF_BYTES, PAGE, BLOCK_N, HEAD_SIZE,
@@ -583,7 +636,7 @@ def hopper_prefill_kernel(
     SPLIT: gl.constexpr, X: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr, OVERLAP: gl.constexpr,
     FP8_CACHE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, HEAD_DIM: gl.constexpr,
     VT_COPIES: gl.constexpr, WIDE_PRODUCER: gl.constexpr, SHARED_V: gl.constexpr, PRODUCER_WIDENS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    KEY_LOADS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Prefix-prefill attention of one query tile on sm90 (see the module docstring).
 
@@ -605,7 +658,8 @@ def hopper_prefill_kernel(
     layout) gives the producer a warpgroup instead of one warp, so that four warps share its 16-byte copies.
     ``SHARED_V`` (split layout): the cached tiles' V^T and the new-token tiles' V share one ring.
     ``PRODUCER_WIDENS`` (FP8 cache): a producer warpgroup widens each cached tile once into the 16-bit ring,
-    instead of each consumer into its own copy.
+    instead of each consumer into its own copy. ``KEY_LOADS`` (split layout): the producer warpgroup reads the
+    cached keys with loads and stores instead of asynchronous copies.
     """
     TOKENS_PER_TILE: gl.constexpr = BLOCK_M // HEADS_PER_TILE
     tile = gl.program_id(0)
@@ -720,7 +774,7 @@ def hopper_prefill_kernel(
     loads = (k_cache, v_cache, k_new, v_new, v_cache_t, (K_cache, stride_kb, stride_kh, stride_kd),
              (V_cache, v_rows_per_block, stride_v_row))
     table = (table_row, table_width, num_blocks)
-    PRODUCER_WARPS: gl.constexpr = 4 if (WIDE_PRODUCER and SPLIT) or PRODUCER_WIDENS else 1
+    PRODUCER_WARPS: gl.constexpr = 4 if ((WIDE_PRODUCER or KEY_LOADS) and SPLIT) or PRODUCER_WIDENS else 1
     if PINGPONG:
         gl.warp_specialize([
             (_consumer, (q_smem.slice(0, ROWS), ring, output, rows, walk, features, (turn.index(0), turn.index(1)),
@@ -735,7 +789,7 @@ def hopper_prefill_kernel(
                          TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS)),
             (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk,
                          HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
-                         PRODUCER_WIDENS)),
+                         PRODUCER_WIDENS, KEY_LOADS)),
         ], [LAUNCH_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -746,5 +800,5 @@ def hopper_prefill_kernel(
                          False, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS)),
             (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk,
                          HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
-                         PRODUCER_WIDENS)),
+                         PRODUCER_WIDENS, KEY_LOADS)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])

@@ -9,6 +9,7 @@ Like core's launcher, nothing here synchronises with the device or allocates.
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -256,7 +257,12 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: layout's ring: room for a third stage of 128 keys, or head size 256. ``PRODUCER_WIDENS`` (FP8 cache) has a
 #: producer warpgroup widen each cached tile once into the 16-bit ring, up to a ring's depth ahead of the
 #: consumers, instead of each consumer widening its own copy before its MMAs (registers as ``WIDE_PRODUCER``,
-#: with :data:`WIDENING_PRODUCER_REGS` for the producer).
+#: with :data:`WIDENING_PRODUCER_REGS` for the producer). ``KEY_LOADS`` (split layout, at least 32 keys per step)
+#: has a producer warpgroup read the cached keys with 16-byte loads and store them into the K ring, 32 keys at a
+#: time, instead of 16-byte asynchronous copies: on the H200 each such copy was an L2 request of its own, and the
+#: split prefix-cached row ran at 80% of the L2's request rate with the bytes at the NHD row's level
+#: (docs/performance.md, run 9); loads are merged into one request per 128-byte line (registers as
+#: ``PRODUCER_WIDENS``).
 #: Run 7 (H200, docs/performance.md): ``PRODUCER_WIDENS`` passed hopper_check.py's 37 cases and was 1.12 x the
 #: consumers widening their own copies on the FP8 row (266.9 vs 238.6 TFLOP/s): on by default.
 #: ``WIDE_PRODUCER`` passed them too and was 0.97 x (355.1 vs 365.8 on the split prefix-cached row): off, but for
@@ -271,7 +277,7 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: forced; ``TURNS`` was 3-10% slower on NHD; ``OVERLAP`` gave NaN on NHD then (P was overwritten while its
 #: P V ran; fixed since, not yet re-measured).
 SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=False, VT_COPIES=False, WIDE_PRODUCER=False,
-                SHARED_V=False, PRODUCER_WIDENS=True)
+                SHARED_V=False, PRODUCER_WIDENS=True, KEY_LOADS=False)
 #: Registers per thread of the second consumer partition under ``PINGPONG`` (the first, the kernel's default
 #: partition, keeps what the others leave).
 CONSUMER_REGS = 240
@@ -282,6 +288,12 @@ WIDE_CONSUMER_REGS = 224
 #: A producer warpgroup that also widens FP8 tiles holds a 16-byte slice of each: 128 x 80 + 256 x 216 = 65,536.
 WIDENING_PRODUCER_REGS = 80
 WIDENING_CONSUMER_REGS = 216
+
+
+#: Schedule flags read from the environment at each bind (``"KEY_LOADS=1"``), over :data:`SCHEDULE` and under a
+#: caller's own: for running a whole suite or the bench under a schedule that is not the default yet. Plans
+#: bound before it changed keep the flags they were bound with.
+SCHEDULE_ENV = "PAGEDPREFILL_SM80_SCHEDULE"
 
 
 def parse_schedule(text: str) -> dict:
@@ -298,10 +310,14 @@ def parse_schedule(text: str) -> dict:
 
 
 def resolve_schedule(shape: ProblemShape, config: TileConfig, schedule: Optional[dict] = None) -> dict:
-    """The flags calls of ``shape`` with ``config`` are compiled with: :data:`SCHEDULE` updated by ``schedule``,
-    less what does not apply to them and plus what they always take. The launch and the shared-memory model
-    both read it."""
-    schedule = {**SCHEDULE, **(schedule or {})}
+    """The flags calls of ``shape`` with ``config`` are compiled with: :data:`SCHEDULE` updated by
+    :data:`SCHEDULE_ENV` and then by ``schedule``, less what does not apply to them and plus what they always
+    take. The launch and the shared-memory model both read it."""
+    try:
+        from_env = parse_schedule(os.environ.get(SCHEDULE_ENV, ""))
+    except ValueError as exc:
+        raise ValueError(f"{SCHEDULE_ENV}: {exc}") from None
+    schedule = {**SCHEDULE, **from_env, **(schedule or {})}
     split, fp8 = shape.layout == "split", shape.kv_cache_dtype != "auto"
     # Two consumer partitions need two warpgroups' worth of rows.
     schedule["PINGPONG"] = bool(schedule["PINGPONG"]) and config.num_warps == 8
@@ -314,6 +330,8 @@ def resolve_schedule(shape: ProblemShape, config: TileConfig, schedule: Optional
     schedule["SHARED_V"] = bool(schedule["SHARED_V"]) and split and not fp8  # an FP8 V^T ring: not built
     # ... and the split layout's FP8 tiles always: a consumer's own copies are not built for V^T pages.
     schedule["PRODUCER_WIDENS"] = (bool(schedule["PRODUCER_WIDENS"]) or split) and fp8
+    # The producer warpgroup's loads take 32 keys at a time.
+    schedule["KEY_LOADS"] = bool(schedule["KEY_LOADS"]) and split and config.block_n >= 32
     return schedule
 
 
@@ -343,7 +361,9 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
                table.shape[1], group, p.q.stride(0), p.q.stride(1), p.out.stride(0), p.out.stride(1),
                table.stride(0), *split_strides, p.num_kv_heads * D, value_row_stride)
     schedule = resolve_schedule(shape, config, schedule)
-    wide, widens = schedule["WIDE_PRODUCER"], schedule["PRODUCER_WIDENS"]
+    wide = schedule["WIDE_PRODUCER"]
+    # A producer warpgroup that holds tiles in registers: widening FP8 tiles, or loading split keys.
+    holds_tiles = schedule["PRODUCER_WIDENS"] or schedule["KEY_LOADS"]
     constexprs = dict(
         HEAD_SIZE=PADDED_HEADS.get(D, D), HEAD_DIM=D, PAGE=p.cache.block_size, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
@@ -356,9 +376,9 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
         SPLIT=split, X=key.shape[4] if split else 8,
         FP8_CACHE=fp8, K_SCALE_PTR=k_from_ptr, V_SCALE_PTR=v_from_ptr,
         # The producer warp of the split layout holds a tile of 16-byte copy addresses.
-        PRODUCER_REGS=WIDENING_PRODUCER_REGS if widens else WIDE_PRODUCER_REGS if wide
+        PRODUCER_REGS=WIDENING_PRODUCER_REGS if holds_tiles else WIDE_PRODUCER_REGS if wide
         else 96 if split and config.num_warps == 8 else 24,
-        CONSUMER_REGS=WIDENING_CONSUMER_REGS if widens else WIDE_CONSUMER_REGS if wide else CONSUMER_REGS,
+        CONSUMER_REGS=WIDENING_CONSUMER_REGS if holds_tiles else WIDE_CONSUMER_REGS if wide else CONSUMER_REGS,
     )
     # Under PINGPONG the launch's warps are the default partition's: the first consumer warpgroup.
     warps = config.num_warps // 2 if schedule["PINGPONG"] else config.num_warps
