@@ -22,6 +22,7 @@
 # Usage: ci/gpu/verify.sh OUTDIR [step ...]   (default: core-gpu conformance fuzz=2000 bench)
 # STEP_TIMEOUT bounds each test step (seconds, default 600) and DEADLINE (a time in seconds since the epoch) the
 # whole run, so that a run cut short still writes its logs; COMMIT names the commit the bench records.
+# PAGEDPREFILL_SM80_SCHEDULE (e.g. "KEY_LOADS=1") runs every step with those flags of sm80's Hopper kernel.
 set -u
 out=${1:-/tmp/pagedprefill-gpu}; shift || true
 mkdir -p "$out"
