@@ -112,6 +112,8 @@ VARIANTS = [
     ("pingpong-shared-v-wide-producer", {}, dict(HEAVY_FIRST=True, PINGPONG=True, SHARED_V=True, WIDE_PRODUCER=True)),
     # The split layout's cached keys read by a producer warpgroup with loads and stores instead of 16-byte copies.
     ("pingpong-key-loads", {}, dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=True)),
+    # ... with each tile's value boxes issued before its keys are loaded.
+    ("pingpong-key-loads-values-first", {}, dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=True, VALUES_FIRST=True)),
     # FP8 caches widened once by a producer warpgroup (the consumers' copies freed: room for 3 stages).
     ("pingpong-producer-widens", {}, dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=True)),
     ("pingpong-producer-widens-s3", dict(num_stages=3), dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=True)),

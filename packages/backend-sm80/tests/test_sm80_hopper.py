@@ -140,6 +140,7 @@ SCHEDULES = {
     "pingpong-producer-widens": dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=True),
     "pingpong-consumers-widen": dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=False),
     "pingpong-key-loads": dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=True),
+    "pingpong-key-loads-values-first": dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=True, VALUES_FIRST=True),
 }
 
 
@@ -198,7 +199,7 @@ def test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma():
         assert summary["tma_copies"] > 0 or (name.startswith("split-vllm") and name.endswith("vt-copies")), name
         # Split-layout keys have no TMA view: 16-byte asynchronous copies by the producer warp (under key-loads,
         # loads and stores; an FP8 cache's values are copies still).
-        copied = name.startswith("split") and ("fp8" in name or not name.endswith("/pingpong-key-loads"))
+        copied = name.startswith("split") and ("fp8" in name or "/pingpong-key-loads" not in name)
         assert (summary["async_copies"] > 0) == copied, name
         assert summary["spill_bytes"] in (0, None), name
         assert summary["shared_bytes"] <= H200.max_shared_mem, name
@@ -242,6 +243,12 @@ def test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma():
             assert key_loads["tma_copies"] > 0, call
         else:
             assert key_loads == pingpong, call
+        values_first = summaries[f"{call}/pingpong-key-loads-values-first"]
+        if call.startswith("split") and not fp8:  # the same copies and boxes, issued in another order
+            assert values_first["async_copies"] == key_loads["async_copies"], call
+            assert values_first["tma_copies"] > 0, call
+        else:  # an FP8 cache's values are copies, not boxes; NHD has no key loads
+            assert values_first == key_loads, call
         widened = summaries[f"{call}/pingpong-producer-widens"]
         own_copies = summaries[f"{call}/pingpong-consumers-widen"]
         assert widened == pingpong, call  # the default schedule
@@ -430,6 +437,13 @@ def test_key_loads_apply_to_split_tiles_of_at_least_32_keys_with_a_warpgroups_re
     assert not resolve_schedule(shape(), hopper_config(shape()), asked)["KEY_LOADS"]
     assert not resolve_schedule(split, replace(config, block_n=16), asked)["KEY_LOADS"]
     assert not resolve_schedule(split, config)["KEY_LOADS"]  # off by default
+    # Value boxes first: with key loads only, and only where the values are boxes.
+    first = dict(KEY_LOADS=True, VALUES_FIRST=True)
+    assert resolve_schedule(split, config, first)["VALUES_FIRST"]
+    assert not resolve_schedule(split, config, dict(VALUES_FIRST=True))["VALUES_FIRST"]
+    assert not resolve_schedule(split, config, dict(first, VT_COPIES=True))["VALUES_FIRST"]
+    split_fp8 = shape(layout="split", kv_cache_dtype="fp8_e4m3")
+    assert not resolve_schedule(split_fp8, hopper_config(split_fp8), first)["VALUES_FIRST"]
     call = kernel_call(make_problem(SPEC.replace(layout="split")), config, split, asked)
     assert call.constexprs["KEY_LOADS"]
     assert (call.constexprs["PRODUCER_REGS"], call.constexprs["CONSUMER_REGS"]) == \

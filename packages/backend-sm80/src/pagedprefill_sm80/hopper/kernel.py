@@ -234,34 +234,12 @@ def _cached_boxes(k_cache, v_cache, table, kv_head, col, n0, barrier, k_dst, v_d
 
 
 @gluon.jit
-def _split_cached_tile(split_keys, split_values, v_cache_t, table, kv_head, col, n0, v_rows_per_block, barrier,
-                       k_dst, vt_dst, HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
-                       X: gl.constexpr, WARPS: gl.constexpr, HEAD_DIM: gl.constexpr, VALUE_COPIES: gl.constexpr,
-                       KEY_LOADS: gl.constexpr):
-    """One split-layout tile of cached keys into ``k_dst`` (``[BLOCK_N, D]``, 16-byte copies, or with
-    ``KEY_LOADS`` loads and stores) and of its values into ``vt_dst`` as V^T (``[D, BLOCK_N]``): one TMA box per
-    page, or with ``VALUE_COPIES`` 16-byte copies. ``barrier`` completes once every copy has landed."""
+def _split_value_boxes(v_cache_t, table, kv_head, col, n0, v_rows_per_block, barrier, vt_dst,
+                       HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """One split-layout tile of cached values into ``vt_dst`` as V^T (``[D, BLOCK_N]``), one TMA box per page,
+    counted in bytes by ``barrier``."""
     BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
-    VALUE_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * v_cache_t.dtype.primitive_bitwidth // 8
-    if KEY_LOADS:
-        _split_keys_loaded(split_keys, k_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM)
-    else:
-        _split_keys_async(split_keys, k_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM)
-    if VALUE_COPIES:
-        _split_values_async(split_values, vt_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, WARPS, HEAD_DIM)
-    # Arrives once this lane's copies have landed; issued before the TMA's expect, so the barrier cannot
-    # complete on the value bytes alone.
-    async_copy.mbarrier_arrive(barrier)
-    if KEY_LOADS:
-        # The keys are ordinary stores: ordered before the MMA's reads, and every producer warp's done before
-        # the one arrival below.
-        fence_async_shared()
-        gl.thread_barrier()
-    if VALUE_COPIES:
-        mbarrier.arrive(barrier, count=1)
-    else:
-        mbarrier.expect(barrier, VALUE_BYTES)
-    for b in gl.static_range(0 if VALUE_COPIES else BLOCK_N // BOX):
+    for b in gl.static_range(BLOCK_N // BOX):
         pos = n0 + b * BOX
         # A page's values of one head are one [D, PAGE] block: V^T, one box per page.
         if HEAD_DIM < HEAD_SIZE:
@@ -276,6 +254,43 @@ def _split_cached_tile(split_keys, split_values, v_cache_t, table, kv_head, col,
 
 
 @gluon.jit
+def _split_cached_tile(split_keys, split_values, v_cache_t, table, kv_head, col, n0, v_rows_per_block, barrier,
+                       k_dst, vt_dst, HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+                       X: gl.constexpr, WARPS: gl.constexpr, HEAD_DIM: gl.constexpr, VALUE_COPIES: gl.constexpr,
+                       KEY_LOADS: gl.constexpr, VALUES_FIRST: gl.constexpr):
+    """One split-layout tile of cached keys into ``k_dst`` (``[BLOCK_N, D]``, 16-byte copies, or with
+    ``KEY_LOADS`` loads and stores) and of its values into ``vt_dst`` as V^T (``[D, BLOCK_N]``): one TMA box per
+    page, or with ``VALUE_COPIES`` 16-byte copies. ``barrier`` completes once every copy has landed.
+    ``VALUES_FIRST`` (with ``KEY_LOADS`` and value boxes): the boxes are issued before the keys are loaded, and
+    ``barrier`` takes two arrivals, the boxes' expect and one after the keys' stores."""
+    VALUE_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * v_cache_t.dtype.primitive_bitwidth // 8
+    if VALUES_FIRST:
+        mbarrier.expect(barrier, VALUE_BYTES)
+        _split_value_boxes(v_cache_t, table, kv_head, col, n0, v_rows_per_block, barrier, vt_dst, HEAD_SIZE, PAGE,
+                           BLOCK_N, HEAD_DIM)
+    if KEY_LOADS:
+        _split_keys_loaded(split_keys, k_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM)
+    else:
+        _split_keys_async(split_keys, k_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM)
+    if VALUE_COPIES:
+        _split_values_async(split_values, vt_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, WARPS, HEAD_DIM)
+    # Arrives once this lane's copies have landed; issued before the TMA's expect, so the barrier cannot
+    # complete on the value bytes alone.
+    async_copy.mbarrier_arrive(barrier)
+    if KEY_LOADS:
+        # The keys are ordinary stores: ordered before the MMA's reads, and every producer warp's done before
+        # the one arrival below.
+        fence_async_shared()
+        gl.thread_barrier()
+    if VALUE_COPIES or VALUES_FIRST:
+        mbarrier.arrive(barrier, count=1)
+    else:
+        mbarrier.expect(barrier, VALUE_BYTES)
+        _split_value_boxes(v_cache_t, table, kv_head, col, n0, v_rows_per_block, barrier, vt_dst, HEAD_SIZE, PAGE,
+                           BLOCK_N, HEAD_DIM)
+
+
+@gluon.jit
 def _cached_tile(loads, table, kv_head, col, n0, v_rows_per_block, barrier, k_dst, v_dst, TILE_BYTES: gl.constexpr,
                  HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr,
                  X: gl.constexpr, WARPS: gl.constexpr, HEAD_DIM: gl.constexpr, VALUE_COPIES: gl.constexpr,
@@ -285,7 +300,7 @@ def _cached_tile(loads, table, kv_head, col, n0, v_rows_per_block, barrier, k_ds
     k_cache, v_cache, _, _, v_cache_t, split_keys, split_values = loads
     if SPLIT:
         _split_cached_tile(split_keys, split_values, v_cache_t, table, kv_head, col, n0, v_rows_per_block, barrier,
-                           k_dst, v_dst, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM, VALUE_COPIES, KEY_LOADS)
+                           k_dst, v_dst, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM, VALUE_COPIES, KEY_LOADS, False)
     else:
         _cached_boxes(k_cache, v_cache, table, kv_head, col, n0, barrier, k_dst, v_dst, TILE_BYTES, PAGE, BLOCK_N,
                       HEAD_SIZE, HEAD_DIM < HEAD_SIZE)
@@ -295,7 +310,8 @@ def _cached_tile(loads, table, kv_head, col, n0, v_rows_per_block, barrier, k_ds
 def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk,
               HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               SPLIT: gl.constexpr, X: gl.constexpr, HEAD_DIM: gl.constexpr, VT_COPIES: gl.constexpr,
-              WARPS: gl.constexpr, PRODUCER_WIDENS: gl.constexpr, KEY_LOADS: gl.constexpr):
+              WARPS: gl.constexpr, PRODUCER_WIDENS: gl.constexpr, KEY_LOADS: gl.constexpr,
+              VALUES_FIRST: gl.constexpr):
     """Fill the ring: for each key tile, wait until its buffer is free, then issue the copies of K and V and
     let the ``ready`` barrier count their bytes (TMA) and their completion (asynchronous copies).
 
@@ -305,7 +321,8 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
     A head size ``HEAD_DIM`` below the tile's width ``HEAD_SIZE`` (NHD; not a power of two) comes through rank-3
     descriptors (``[rows, heads, head size]``), whose boxes of ``HEAD_SIZE`` columns read the columns past the
     head as zeros. ``WARPS``: the producer partition's warps, which share the split layout's 16-byte copies
-    (``KEY_LOADS``: its keys' loads and stores).
+    (``KEY_LOADS``: its keys' loads and stores). ``VALUES_FIRST``: the split layout's cached value boxes go out
+    before its keys are loaded, and every ``ready`` barrier takes two arrivals.
 
     ``PRODUCER_WIDENS`` (an FP8 cache): the cached tiles land in the FP8 ring (``k8_smem``/``v8_smem``, counted by
     ``ready8``; NHD by TMA, the split layout by 16-byte copies, its values as V^T), up to ``STAGES`` tiles
@@ -351,13 +368,15 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
                 _split_cached_tile(split_keys, split_values, v_cache_t, table, kv_head, col,
                                    cache_start + it * BLOCK_N, v_rows_per_block, ready.index(s), k_dst,
                                    vt_smem.index(s), HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM, VT_COPIES,
-                                   KEY_LOADS)
+                                   KEY_LOADS, VALUES_FIRST)
             else:
                 _cached_boxes(k_cache, v_cache, table, kv_head, col, cache_start + it * BLOCK_N, ready.index(s),
                               k8_smem.index(s), v8_smem.index(s), 2 * CACHE_HALF_BYTES, PAGE, BLOCK_N, HEAD_SIZE,
                               PADDED)
         else:
             mbarrier.expect(ready.index(s), 2 * HALF_BYTES)
+            if VALUES_FIRST:  # the second of the two arrivals the ring's barriers take then
+                mbarrier.arrive(ready.index(s), count=1)
             row = seq_row0 + new_start + (it - cache_tiles) * BLOCK_N
             _copy_rows(k_new, row, kv_head, col, ready.index(s), k_dst, 0, BLOCK_N, BLOCK_N, HEAD_SIZE, PADDED)
             _copy_rows(v_new, row, kv_head, col, ready.index(s), v_smem.index(s), 0, BLOCK_N, BLOCK_N, HEAD_SIZE,
@@ -636,7 +655,7 @@ def hopper_prefill_kernel(
     SPLIT: gl.constexpr, X: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr, OVERLAP: gl.constexpr,
     FP8_CACHE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, HEAD_DIM: gl.constexpr,
     VT_COPIES: gl.constexpr, WIDE_PRODUCER: gl.constexpr, SHARED_V: gl.constexpr, PRODUCER_WIDENS: gl.constexpr,
-    KEY_LOADS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    KEY_LOADS: gl.constexpr, VALUES_FIRST: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Prefix-prefill attention of one query tile on sm90 (see the module docstring).
 
@@ -659,7 +678,8 @@ def hopper_prefill_kernel(
     ``SHARED_V`` (split layout): the cached tiles' V^T and the new-token tiles' V share one ring.
     ``PRODUCER_WIDENS`` (FP8 cache): a producer warpgroup widens each cached tile once into the 16-bit ring,
     instead of each consumer into its own copy. ``KEY_LOADS`` (split layout): the producer warpgroup reads the
-    cached keys with loads and stores instead of asynchronous copies.
+    cached keys with loads and stores instead of asynchronous copies; ``VALUES_FIRST`` (with it) issues each
+    cached tile's value boxes before loading its keys.
     """
     TOKENS_PER_TILE: gl.constexpr = BLOCK_M // HEADS_PER_TILE
     tile = gl.program_id(0)
@@ -744,8 +764,11 @@ def hopper_prefill_kernel(
         vc_smem = v_smem
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # Value boxes issued before the keys' loads: a cached tile's barrier then waits for the boxes' expect and for
+    # an arrival after the keys' stores (a new-token tile's arrives twice at once).
+    EARLY_VALUES: gl.constexpr = VALUES_FIRST and KEY_LOADS and SPLIT and not VT_COPIES and not FP8_CACHE
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(ready.index(i), count=2 if EARLY_VALUES else 1)
         mbarrier.init(empty.index(i), count=CONSUMERS)  # every consumer hands the buffer back
     ready8 = ready  # PRODUCER_WIDENS: the FP8 ring's own barriers (its bytes landed), seen by the producer only
     if PRODUCER_WIDENS:
@@ -789,7 +812,7 @@ def hopper_prefill_kernel(
                          TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS)),
             (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk,
                          HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
-                         PRODUCER_WIDENS, KEY_LOADS)),
+                         PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES)),
         ], [LAUNCH_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -800,5 +823,5 @@ def hopper_prefill_kernel(
                          False, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS)),
             (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk,
                          HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
-                         PRODUCER_WIDENS, KEY_LOADS)),
+                         PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])

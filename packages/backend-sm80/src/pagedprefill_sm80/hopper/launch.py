@@ -262,7 +262,8 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: time, instead of 16-byte asynchronous copies: on the H200 each such copy was an L2 request of its own, and the
 #: split prefix-cached row ran at 80% of the L2's request rate with the bytes at the NHD row's level
 #: (docs/performance.md, run 9); loads are merged into one request per 128-byte line (registers as
-#: ``PRODUCER_WIDENS``).
+#: ``PRODUCER_WIDENS``). ``VALUES_FIRST`` (with ``KEY_LOADS``, a 16-bit cache and value boxes) issues a cached
+#: tile's value boxes before its keys are loaded, so that they land meanwhile: built after run 9, not yet run.
 #: Run 7 (H200, docs/performance.md): ``PRODUCER_WIDENS`` passed hopper_check.py's 37 cases and was 1.12 x the
 #: consumers widening their own copies on the FP8 row (266.9 vs 238.6 TFLOP/s): on by default.
 #: ``WIDE_PRODUCER`` passed them too and was 0.97 x (355.1 vs 365.8 on the split prefix-cached row): off, but for
@@ -277,7 +278,7 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: forced; ``TURNS`` was 3-10% slower on NHD; ``OVERLAP`` gave NaN on NHD then (P was overwritten while its
 #: P V ran; fixed since, not yet re-measured).
 SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=False, VT_COPIES=False, WIDE_PRODUCER=False,
-                SHARED_V=False, PRODUCER_WIDENS=True, KEY_LOADS=False)
+                SHARED_V=False, PRODUCER_WIDENS=True, KEY_LOADS=False, VALUES_FIRST=False)
 #: Registers per thread of the second consumer partition under ``PINGPONG`` (the first, the kernel's default
 #: partition, keeps what the others leave).
 CONSUMER_REGS = 240
@@ -332,6 +333,9 @@ def resolve_schedule(shape: ProblemShape, config: TileConfig, schedule: Optional
     schedule["PRODUCER_WIDENS"] = (bool(schedule["PRODUCER_WIDENS"]) or split) and fp8
     # The producer warpgroup's loads take 32 keys at a time.
     schedule["KEY_LOADS"] = bool(schedule["KEY_LOADS"]) and split and config.block_n >= 32
+    # ... and their tiles' value boxes first, where there are boxes (not FP8's copies, not VT_COPIES').
+    schedule["VALUES_FIRST"] = (bool(schedule["VALUES_FIRST"]) and schedule["KEY_LOADS"] and not fp8
+                                and not schedule["VT_COPIES"])
     return schedule
 
 
