@@ -112,6 +112,8 @@ VARIANTS = [
     ("pingpong-shared-v-wide-producer", {}, dict(HEAVY_FIRST=True, PINGPONG=True, SHARED_V=True, WIDE_PRODUCER=True)),
     # The split layout's cached keys read by a producer warpgroup with loads and stores instead of 16-byte copies.
     ("pingpong-key-loads", {}, dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=True)),
+    # ... and by 16-byte copies, as before the policy chose the two above for head sizes 128 and 256 (run 10).
+    ("pingpong-key-copies", {}, dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=False, VALUES_FIRST=False)),
     # ... with each tile's value boxes issued before its keys are loaded.
     ("pingpong-key-loads-values-first", {}, dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=True, VALUES_FIRST=True)),
     # FP8 caches widened once by a producer warpgroup (the consumers' copies freed: room for 3 stages).
@@ -296,13 +298,17 @@ def main(argv=None) -> int:
     from pagedprefill_sm80.hopper import launch
 
     try:
-        launch.SCHEDULE.update(launch.parse_schedule(args.schedule))
+        launch.parse_schedule(args.schedule)
     except ValueError as exc:
         parser.error(f"--schedule: {exc}")
+    # Through the environment: over the policy's flags for each route, as PAGEDPREFILL_SM80_SCHEDULE is.
+    if args.schedule:
+        os.environ[launch.SCHEDULE_ENV] = ",".join(filter(None, (os.environ.get(launch.SCHEDULE_ENV), args.schedule)))
     os.environ[KERNEL_ENV] = "hopper"
     info = DeviceInfo.detect(torch.device("cuda"))
     backend = get_registry().get("sm80")
-    print(info.describe(), "torch", torch.__version__, "schedule", launch.SCHEDULE, flush=True)
+    print(info.describe(), "torch", torch.__version__, "schedule", launch.SCHEDULE, "over which",
+          launch.SCHEDULE_ENV, repr(os.environ.get(launch.SCHEDULE_ENV, "")), "and the policy's per route", flush=True)
     started = time.time()
     rows = [] if args.no_correctness else check(info, backend)
     print(f"\ncorrectness ({time.time() - started:.0f} s): case | kernel | max abs err | "

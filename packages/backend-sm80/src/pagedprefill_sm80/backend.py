@@ -11,7 +11,7 @@ from pagedprefill.tiling import ProblemShape, TileConfig
 from pagedprefill.tuning import tables_state
 from pagedprefill.types import PrefillProblem
 
-from .policy import choose_kernel, kernel_preference, portable_config, search_space, sm80_policy
+from .policy import choose_kernel, hopper_schedule, kernel_preference, portable_config, search_space, sm80_policy
 
 MIN_CAPABILITY = (8, 0)
 
@@ -51,7 +51,10 @@ class Sm80Backend(TritonBackend):
         return functools.lru_cache(maxsize=1024)(lambda shape, device, tables: portable_config(shape, device))
 
     def kernel_choice(self, shape: ProblemShape, device: DeviceInfo) -> tuple[str, str]:
-        return choose_kernel(shape, device)
+        """The policy's kernel and why, naming the schedule flags it sets for the Hopper kernel's route."""
+        kernel, why = choose_kernel(shape, device)
+        flags = [name for name, on in hopper_schedule(shape).items() if on] if kernel == "hopper" else []
+        return kernel, why + (f"; schedule {'+'.join(flags)}" if flags else "")
 
     def kernel_for(self, problem: PrefillProblem, device: DeviceInfo) -> str:
         """The kernel that runs ``problem``: the policy's choice, or the portable kernel when the Hopper

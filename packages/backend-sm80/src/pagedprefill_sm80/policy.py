@@ -19,7 +19,7 @@ default: :data:`HOPPER_WINS`), or for every shape it takes when ``PAGEDPREFILL_S
 it; ``portable`` forces core's kernel everywhere. The kernel is chosen first, then its tile: a table entry
 names the kernel it was measured on (``pagedprefill tune`` measures the chosen kernel's tiles,
 :func:`search_space`), and only entries of the chosen kernel count; the Hopper kernel's rule is
-:func:`hopper_config`.
+:func:`hopper_config`. Some routes also set the Hopper kernel's schedule flags (:func:`hopper_schedule`).
 """
 
 from __future__ import annotations
@@ -55,6 +55,26 @@ HOPPER_BY_DEFAULT = True
 #: producer) passed the suites on the H200 and ran 248.6 vs 215.5 TFLOP/s on the portable kernel (1.15 x).
 UNVERIFIED: frozenset = frozenset()
 HOPPER_WINS = frozenset({(64, "auto"), (96, "auto"), (128, "auto"), (256, "auto"), (128, "fp8_e4m3")})
+
+
+#: Head sizes at which the split layout's 16-bit cache is read by the Hopper kernel's ``KEY_LOADS`` and
+#: ``VALUES_FIRST`` schedule (:func:`hopper_schedule`).
+KEY_LOAD_HEAD_SIZES = (128, 256)
+
+
+def hopper_schedule(shape: ProblemShape) -> dict:
+    """Schedule flags of the Hopper kernel chosen for calls of ``shape``, over the kernel's defaults
+    (:data:`pagedprefill_sm80.hopper.launch.SCHEDULE`; the launch's :func:`~pagedprefill_sm80.hopper.launch.
+    resolve_schedule` reads them, and ``PAGEDPREFILL_SM80_SCHEDULE`` or a caller's own flags override them).
+
+    The split layout with a 16-bit cache at head sizes 128 and 256 reads its cached keys with a producer
+    warpgroup's loads (``KEY_LOADS``) and issues each tile's value boxes first (``VALUES_FIRST``): on the H200,
+    same data, same run (docs/performance.md, run 10), 1.01-1.23 x over the 16-byte copies on the rows of
+    those head sizes, from fewer L2 requests. Not at head sizes 64 and 96, nor with an FP8 cache, where the
+    copies were faster (0.89 and 0.98 x; 0.82 x with an FP8 cache, where ``VALUES_FIRST`` does not apply)."""
+    if shape.layout == "split" and shape.kv_cache_dtype == "auto" and shape.head_size in KEY_LOAD_HEAD_SIZES:
+        return dict(KEY_LOADS=True, VALUES_FIRST=True)
+    return {}
 
 
 def kernel_preference() -> str:

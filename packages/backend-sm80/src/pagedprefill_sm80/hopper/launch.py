@@ -21,6 +21,8 @@ from pagedprefill.triton.blocks import LOG2E
 from pagedprefill.triton.launch import FP8_E4M3_MAX, BoundLaunch, KernelCall, _scale_arg
 from pagedprefill.types import KVLayout, PrefillProblem
 
+from ..policy import hopper_schedule
+
 #: Head sizes the kernel is built for: powers of two (its register tensors need them), and in the NHD layout the
 #: sizes of :data:`PADDED_HEADS`.
 HEAD_SIZES = (64, 96, 128, 256)
@@ -263,7 +265,10 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: split prefix-cached row ran at 80% of the L2's request rate with the bytes at the NHD row's level
 #: (docs/performance.md, run 9); loads are merged into one request per 128-byte line (registers as
 #: ``PRODUCER_WIDENS``). ``VALUES_FIRST`` (with ``KEY_LOADS``, a 16-bit cache and value boxes) issues a cached
-#: tile's value boxes before its keys are loaded, so that they land meanwhile: built after run 9, not yet run.
+#: tile's value boxes before its keys are loaded, so that they land meanwhile. Run 10 (H200): both passed sm80's
+#: suite under them (374 passed) and ``hopper_check.py`` (44 of 44); together they were 1.01-1.23 x the copies on
+#: the split rows at head sizes 128 and 256 and 0.82-0.98 x on the others, so the policy sets them for those
+#: routes only (:func:`pagedprefill_sm80.policy.hopper_schedule`) and they stay off here.
 #: Run 7 (H200, docs/performance.md): ``PRODUCER_WIDENS`` passed hopper_check.py's 37 cases and was 1.12 x the
 #: consumers widening their own copies on the FP8 row (266.9 vs 238.6 TFLOP/s): on by default.
 #: ``WIDE_PRODUCER`` passed them too and was 0.97 x (355.1 vs 365.8 on the split prefix-cached row): off, but for
@@ -311,14 +316,15 @@ def parse_schedule(text: str) -> dict:
 
 
 def resolve_schedule(shape: ProblemShape, config: TileConfig, schedule: Optional[dict] = None) -> dict:
-    """The flags calls of ``shape`` with ``config`` are compiled with: :data:`SCHEDULE` updated by
-    :data:`SCHEDULE_ENV` and then by ``schedule``, less what does not apply to them and plus what they always
-    take. The launch and the shared-memory model both read it."""
+    """The flags calls of ``shape`` with ``config`` are compiled with: :data:`SCHEDULE` updated by the policy's
+    flags for the route (:func:`pagedprefill_sm80.policy.hopper_schedule`), then by :data:`SCHEDULE_ENV` and
+    then by ``schedule``, less what does not apply to them and plus what they always take. The launch and the
+    shared-memory model both read it."""
     try:
         from_env = parse_schedule(os.environ.get(SCHEDULE_ENV, ""))
     except ValueError as exc:
         raise ValueError(f"{SCHEDULE_ENV}: {exc}") from None
-    schedule = {**SCHEDULE, **from_env, **(schedule or {})}
+    schedule = {**SCHEDULE, **hopper_schedule(shape), **from_env, **(schedule or {})}
     split, fp8 = shape.layout == "split", shape.kv_cache_dtype != "auto"
     # Two consumer partitions need two warpgroups' worth of rows.
     schedule["PINGPONG"] = bool(schedule["PINGPONG"]) and config.num_warps == 8
