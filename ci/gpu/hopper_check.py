@@ -116,6 +116,9 @@ VARIANTS = [
     ("pingpong-key-copies", {}, dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=False, VALUES_FIRST=False)),
     # ... with each tile's value boxes issued before its keys are loaded.
     ("pingpong-key-loads-values-first", {}, dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=True, VALUES_FIRST=True)),
+    # ... with 64 keys per chunk of loads (a whole 128-key tile in flight; the policy's key loads take 32).
+    ("pingpong-key-loads-wide-chunks", {},
+     dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=True, VALUES_FIRST=True, WIDE_KEY_CHUNKS=True)),
     # FP8 caches widened once by a producer warpgroup (the consumers' copies freed: room for 3 stages).
     ("pingpong-producer-widens", {}, dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=True)),
     ("pingpong-producer-widens-s3", dict(num_stages=3), dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=True)),

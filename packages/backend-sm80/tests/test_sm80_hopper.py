@@ -492,6 +492,64 @@ def test_the_policy_reads_split_16_bit_caches_at_head_sizes_128_and_256_with_key
     assert call.constexprs["KEY_LOADS"] and call.constexprs["VALUES_FIRST"]
 
 
+def test_wide_key_chunks_apply_to_16_bit_split_tiles_of_more_than_64_keys(monkeypatch):
+    """``WIDE_KEY_CHUNKS`` loads 64 keys per chunk: the kernel takes the chunk as ``KEY_LOADS``, and its producer
+    the registers of two such chunks."""
+    from pagedprefill_sm80.hopper.launch import (
+        SCHEDULE_ENV,
+        WIDE_CHUNK_CONSUMER_REGS,
+        WIDE_CHUNK_PRODUCER_REGS,
+        resolve_schedule,
+    )
+
+    monkeypatch.delenv(SCHEDULE_ENV, raising=False)
+    split = shape(layout="split")
+    n128 = hopper_config(split).with_(block_n=128, num_stages=2)
+    wide = dict(WIDE_KEY_CHUNKS=True)
+    assert resolve_schedule(split, n128, wide)["WIDE_KEY_CHUNKS"]  # the policy's key loads are on here
+    assert not resolve_schedule(split, n128, dict(wide, KEY_LOADS=False))["WIDE_KEY_CHUNKS"]
+    assert not resolve_schedule(split, n128.with_(block_n=64, num_stages=3), wide)["WIDE_KEY_CHUNKS"]
+    split_fp8 = shape(layout="split", kv_cache_dtype="fp8_e4m3")
+    assert not resolve_schedule(split_fp8, n128, dict(wide, KEY_LOADS=True))["WIDE_KEY_CHUNKS"]
+    problem = make_problem(SPEC.replace(layout="split"))
+    call = kernel_call(problem, n128, split, wide)
+    assert call.constexprs["KEY_LOADS"] == 64 and "WIDE_KEY_CHUNKS" not in call.constexprs
+    assert (call.constexprs["PRODUCER_REGS"], call.constexprs["CONSUMER_REGS"]) == \
+        (WIDE_CHUNK_PRODUCER_REGS, WIDE_CHUNK_CONSUMER_REGS)
+    assert kernel_call(problem, n128, split).constexprs["KEY_LOADS"] == 32
+
+
+def test_wide_key_chunks_compile_for_sm90_without_spills():
+    """Two 64-key chunks in flight fit the producer's registers and leave the consumers enough (sm90, no
+    spills), with the register split of :data:`WIDE_CHUNK_PRODUCER_REGS` in the code."""
+    code = ("import json, test_sm80_hopper as t; print('WIDE', json.dumps(t.compile_wide_key_chunks()))")
+    proc = run_child(code)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    summary = __import__("json").loads(next(x for x in proc.stdout.splitlines() if x.startswith("WIDE "))[5:])
+    assert summary["spill_bytes"] in (0, None) and summary["wgmma"] > 0 and summary["async_copies"] == 0, summary
+    assert summary["producer_regs_set"] and summary["consumer_regs_set"], summary
+
+
+def compile_wide_key_chunks() -> dict:
+    """Codegen summary of the split layout's 128-key tile under ``WIDE_KEY_CHUNKS``, and whether its PTX sets
+    the producer's and the consumers' register counts."""
+    import re
+
+    from pagedprefill.triton.codegen import compile_call, summarize
+    from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
+    from pagedprefill_sm80.hopper.launch import WIDE_CHUNK_CONSUMER_REGS, WIDE_CHUNK_PRODUCER_REGS
+
+    problem = make_problem(SPEC.replace(layout="split"))
+    s = problem_shape(problem)
+    call = kernel_call(problem, hopper_config(s).with_(block_n=128, num_stages=2), s, dict(WIDE_KEY_CHUNKS=True))
+    compiled = compile_call(hopper_prefill_kernel, call, 90)
+    ptx = compiled.asm["ptx"]
+    counts = {m.groups() for m in re.finditer(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32\s+(\d+);", ptx)}
+    return {**summarize(compiled, 90).to_dict(),
+            "producer_regs_set": ("dec", str(WIDE_CHUNK_PRODUCER_REGS)) in counts,
+            "consumer_regs_set": ("inc", str(WIDE_CHUNK_CONSUMER_REGS)) in counts}
+
+
 def test_schedule_flags_from_the_environment_sit_between_the_default_and_the_callers(monkeypatch):
     from pagedprefill_sm80.hopper.launch import SCHEDULE_ENV, resolve_schedule
 

@@ -154,13 +154,12 @@ def _load_in_head(ptrs, in_head, PADDED: gl.constexpr):
 @gluon.jit
 def _split_keys_loaded(split_keys, k_dst, table, kv_head, n0,
                        HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, X: gl.constexpr,
-                       WARPS: gl.constexpr, HEAD_DIM: gl.constexpr):
+                       WARPS: gl.constexpr, HEAD_DIM: gl.constexpr, CHUNK: gl.constexpr):
     """The same tile as :func:`_split_keys_async`, through registers: ordinary 16-byte loads, which the L1 merges
     into one L2 request per 128-byte line (a 16-byte asynchronous copy is an L2 request of its own: on the split
-    layout those requests, not the bytes, bound the L2), stored into ``k_dst``. ``CHUNK`` keys at a time, the
-    next chunk's loads issued before this chunk's stores. ``WARPS`` is 4 (a producer warpgroup); the stores are
-    complete when this returns."""
-    CHUNK: gl.constexpr = 32
+    layout those requests, not the bytes, bound the L2), stored into ``k_dst``. ``CHUNK`` keys at a time (32 or
+    64, at most ``BLOCK_N``), the next chunk's loads issued before this chunk's stores. ``WARPS`` is 4 (a
+    producer warpgroup); the stores are complete when this returns."""
     k_ld: gl.constexpr = gl.BlockedLayout([1, X], [16, 2], [2, WARPS // 2], [0, 1])
     ptrs, in_head = _split_key_pointers(split_keys, table, kv_head, n0, CHUNK, HEAD_SIZE, PAGE, X, HEAD_DIM, k_ld)
     keys = _load_in_head(ptrs, in_head, HEAD_DIM < HEAD_SIZE)
@@ -259,17 +258,19 @@ def _split_cached_tile(split_keys, split_values, v_cache_t, table, kv_head, col,
                        X: gl.constexpr, WARPS: gl.constexpr, HEAD_DIM: gl.constexpr, VALUE_COPIES: gl.constexpr,
                        KEY_LOADS: gl.constexpr, VALUES_FIRST: gl.constexpr):
     """One split-layout tile of cached keys into ``k_dst`` (``[BLOCK_N, D]``, 16-byte copies, or with
-    ``KEY_LOADS`` loads and stores) and of its values into ``vt_dst`` as V^T (``[D, BLOCK_N]``): one TMA box per
-    page, or with ``VALUE_COPIES`` 16-byte copies. ``barrier`` completes once every copy has landed.
-    ``VALUES_FIRST`` (with ``KEY_LOADS`` and value boxes): the boxes are issued before the keys are loaded, and
-    ``barrier`` takes two arrivals, the boxes' expect and one after the keys' stores."""
+    ``KEY_LOADS`` loads and stores, ``KEY_LOADS`` keys per chunk) and of its values into ``vt_dst`` as V^T
+    (``[D, BLOCK_N]``): one TMA box per page, or with ``VALUE_COPIES`` 16-byte copies. ``barrier`` completes
+    once every copy has landed. ``VALUES_FIRST`` (with ``KEY_LOADS`` and value boxes): the boxes are issued
+    before the keys are loaded, and ``barrier`` takes two arrivals, the boxes' expect and one after the keys'
+    stores."""
     VALUE_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * v_cache_t.dtype.primitive_bitwidth // 8
     if VALUES_FIRST:
         mbarrier.expect(barrier, VALUE_BYTES)
         _split_value_boxes(v_cache_t, table, kv_head, col, n0, v_rows_per_block, barrier, vt_dst, HEAD_SIZE, PAGE,
                            BLOCK_N, HEAD_DIM)
     if KEY_LOADS:
-        _split_keys_loaded(split_keys, k_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM)
+        _split_keys_loaded(split_keys, k_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM,
+                           KEY_LOADS)
     else:
         _split_keys_async(split_keys, k_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM)
     if VALUE_COPIES:
@@ -677,9 +678,9 @@ def hopper_prefill_kernel(
     layout) gives the producer a warpgroup instead of one warp, so that four warps share its 16-byte copies.
     ``SHARED_V`` (split layout): the cached tiles' V^T and the new-token tiles' V share one ring.
     ``PRODUCER_WIDENS`` (FP8 cache): a producer warpgroup widens each cached tile once into the 16-bit ring,
-    instead of each consumer into its own copy. ``KEY_LOADS`` (split layout): the producer warpgroup reads the
-    cached keys with loads and stores instead of asynchronous copies; ``VALUES_FIRST`` (with it) issues each
-    cached tile's value boxes before loading its keys.
+    instead of each consumer into its own copy. ``KEY_LOADS`` (split layout; 0 for off): the producer warpgroup
+    reads the cached keys with loads and stores instead of asynchronous copies, ``KEY_LOADS`` keys (32 or 64) per
+    chunk; ``VALUES_FIRST`` (with it) issues each cached tile's value boxes before loading its keys.
     """
     TOKENS_PER_TILE: gl.constexpr = BLOCK_M // HEADS_PER_TILE
     tile = gl.program_id(0)

@@ -268,7 +268,11 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: tile's value boxes before its keys are loaded, so that they land meanwhile. Run 10 (H200): both passed sm80's
 #: suite under them (374 passed) and ``hopper_check.py`` (44 of 44); together they were 1.01-1.23 x the copies on
 #: the split rows at head sizes 128 and 256 and 0.82-0.98 x on the others, so the policy sets them for those
-#: routes only (:func:`pagedprefill_sm80.policy.hopper_schedule`) and they stay off here.
+#: routes only (:func:`pagedprefill_sm80.policy.hopper_schedule`) and they stay off here. ``WIDE_KEY_CHUNKS``
+#: (with ``KEY_LOADS``, a 16-bit cache and tiles of more than 64 keys) loads 64 keys per chunk instead of 32, so
+#: that a whole 128-key tile is in flight: under the profiler the split prefix-cached row's largest stall was
+#: then the producer's wait on its own loads (run 10). Its producer holds more registers
+#: (:data:`WIDE_CHUNK_PRODUCER_REGS`). Built after run 10, not yet run.
 #: Run 7 (H200, docs/performance.md): ``PRODUCER_WIDENS`` passed hopper_check.py's 37 cases and was 1.12 x the
 #: consumers widening their own copies on the FP8 row (266.9 vs 238.6 TFLOP/s): on by default.
 #: ``WIDE_PRODUCER`` passed them too and was 0.97 x (355.1 vs 365.8 on the split prefix-cached row): off, but for
@@ -283,7 +287,7 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: forced; ``TURNS`` was 3-10% slower on NHD; ``OVERLAP`` gave NaN on NHD then (P was overwritten while its
 #: P V ran; fixed since, not yet re-measured).
 SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=False, VT_COPIES=False, WIDE_PRODUCER=False,
-                SHARED_V=False, PRODUCER_WIDENS=True, KEY_LOADS=False, VALUES_FIRST=False)
+                SHARED_V=False, PRODUCER_WIDENS=True, KEY_LOADS=False, VALUES_FIRST=False, WIDE_KEY_CHUNKS=False)
 #: Registers per thread of the second consumer partition under ``PINGPONG`` (the first, the kernel's default
 #: partition, keeps what the others leave).
 CONSUMER_REGS = 240
@@ -294,6 +298,12 @@ WIDE_CONSUMER_REGS = 224
 #: A producer warpgroup that also widens FP8 tiles holds a 16-byte slice of each: 128 x 80 + 256 x 216 = 65,536.
 WIDENING_PRODUCER_REGS = 80
 WIDENING_CONSUMER_REGS = 216
+#: One whose key loads take 64 keys per chunk (``WIDE_KEY_CHUNKS``) holds two chunks of 64 registers' worth:
+#: 128 x 112 + 256 x 200 = 65,536.
+WIDE_CHUNK_PRODUCER_REGS = 112
+WIDE_CHUNK_CONSUMER_REGS = 200
+#: Keys per chunk of the producer's key loads (``KEY_LOADS``), and under ``WIDE_KEY_CHUNKS``.
+KEY_CHUNK, WIDE_KEY_CHUNK = 32, 64
 
 
 #: Schedule flags read from the environment at each bind (``"KEY_LOADS=1"``), over :data:`SCHEDULE` and under a
@@ -342,6 +352,10 @@ def resolve_schedule(shape: ProblemShape, config: TileConfig, schedule: Optional
     # ... and their tiles' value boxes first, where there are boxes (not FP8's copies, not VT_COPIES').
     schedule["VALUES_FIRST"] = (bool(schedule["VALUES_FIRST"]) and schedule["KEY_LOADS"] and not fp8
                                 and not schedule["VT_COPIES"])
+    # ... and 64 at a time where a tile holds more than one such chunk (a 16-bit cache: the FP8 producer's
+    # registers also hold the widening).
+    schedule["WIDE_KEY_CHUNKS"] = (bool(schedule["WIDE_KEY_CHUNKS"]) and schedule["KEY_LOADS"] and not fp8
+                                   and config.block_n > WIDE_KEY_CHUNK)
     return schedule
 
 
@@ -374,6 +388,8 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
     wide = schedule["WIDE_PRODUCER"]
     # A producer warpgroup that holds tiles in registers: widening FP8 tiles, or loading split keys.
     holds_tiles = schedule["PRODUCER_WIDENS"] or schedule["KEY_LOADS"]
+    wide_chunks = schedule.pop("WIDE_KEY_CHUNKS")  # the kernel takes the chunk's keys as KEY_LOADS
+    key_chunk = (WIDE_KEY_CHUNK if wide_chunks else KEY_CHUNK) if schedule["KEY_LOADS"] else 0
     constexprs = dict(
         HEAD_SIZE=PADDED_HEADS.get(D, D), HEAD_DIM=D, PAGE=p.cache.block_size, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
@@ -382,13 +398,14 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
         WINDOW=opts.sliding_window is not None, SOFTCAP=softcap > 0, ALIBI=opts.alibi_slopes is not None,
         SINKS=opts.sinks is not None, SKIP_DECODE=opts.skip_decode, NEW_KV_IN_CACHE=p.k is None,
         OUT_SCALE=opts.fp8_out_scale is not None, OUT_SCALE_PTR=out_from_ptr, OUT_MAX=FP8_E4M3_MAX,
-        **schedule,
+        **{**schedule, "KEY_LOADS": key_chunk},
         SPLIT=split, X=key.shape[4] if split else 8,
         FP8_CACHE=fp8, K_SCALE_PTR=k_from_ptr, V_SCALE_PTR=v_from_ptr,
         # The producer warp of the split layout holds a tile of 16-byte copy addresses.
-        PRODUCER_REGS=WIDENING_PRODUCER_REGS if holds_tiles else WIDE_PRODUCER_REGS if wide
-        else 96 if split and config.num_warps == 8 else 24,
-        CONSUMER_REGS=WIDENING_CONSUMER_REGS if holds_tiles else WIDE_CONSUMER_REGS if wide else CONSUMER_REGS,
+        PRODUCER_REGS=WIDE_CHUNK_PRODUCER_REGS if wide_chunks else WIDENING_PRODUCER_REGS if holds_tiles
+        else WIDE_PRODUCER_REGS if wide else 96 if split and config.num_warps == 8 else 24,
+        CONSUMER_REGS=WIDE_CHUNK_CONSUMER_REGS if wide_chunks else WIDENING_CONSUMER_REGS if holds_tiles
+        else WIDE_CONSUMER_REGS if wide else CONSUMER_REGS,
     )
     # Under PINGPONG the launch's warps are the default partition's: the first consumer warpgroup.
     warps = config.num_warps // 2 if schedule["PINGPONG"] else config.num_warps
