@@ -139,6 +139,12 @@ VARIANTS = [
     # The policy's tiles before run 6: 64 keys in a 3-deep ring up to head size 128, and head size 256 on 64 rows
     # over one consumer warpgroup.
     ("pingpong-n64-s3", dict(block_n=64, num_stages=3), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
+    # 256 keys per step, for head size 64 (the widest warpgroup MMA; 208 KiB in 3 stages on NHD): half the per-step
+    # work outside the MMAs of 128 keys again. The split layout's copies of 256 keys need a producer warpgroup.
+    ("pingpong-n256-s2", dict(block_n=256, num_stages=2), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
+    ("pingpong-n256-s3", dict(block_n=256, num_stages=3), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
+    ("pingpong-n256-s2-wide-producer", dict(block_n=256, num_stages=2),
+     dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, WIDE_PRODUCER=True)),
     ("pingpong-m64", dict(block_m=64, num_warps=4), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
 ]
 

@@ -550,6 +550,37 @@ def compile_wide_key_chunks() -> dict:
             "consumer_regs_set": ("inc", str(WIDE_CHUNK_CONSUMER_REGS)) in counts}
 
 
+def test_256_key_tiles_at_head_size_64_compile_for_sm90_without_spills():
+    """Candidates for head size 64 (``hopper_check.py``'s ``pingpong-n256-*`` variants): 256 keys per step in 3
+    stages on NHD, and in 2 stages on the split layout with a producer warpgroup (one producer warp spills the
+    copy addresses of 256 keys), within the shared-memory model."""
+    code = ("import json, test_sm80_hopper as t; print('N256', json.dumps(t.compile_256_key_tiles()))")
+    proc = run_child(code)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    summaries = __import__("json").loads(next(x for x in proc.stdout.splitlines() if x.startswith("N256 "))[5:])
+    assert set(summaries) == {"nhd", "split"}
+    for layout, summary in summaries.items():
+        assert summary["spill_bytes"] in (0, None) and summary["wgmma"] > 0, (layout, summary)
+        assert summary["shared_bytes"] <= summary["modelled_shared"] <= H200.max_shared_mem, (layout, summary)
+
+
+def compile_256_key_tiles() -> dict:
+    """Codegen summaries of head size 64 with 256 keys per step, per layout, with the modelled shared memory."""
+    from pagedprefill.triton.codegen import compile_call, summarize
+    from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
+    from pagedprefill_sm80.hopper.launch import shared_bytes
+
+    out = {}
+    for layout, stages, schedule in (("nhd", 3, {}), ("split", 2, dict(WIDE_PRODUCER=True))):
+        problem = make_problem(SPEC.replace(layout=layout, head_size=64))
+        s = problem_shape(problem)
+        config = hopper_config(s).with_(block_n=256, num_stages=stages)
+        call = kernel_call(problem, config, s, schedule)
+        out[layout] = {**summarize(compile_call(hopper_prefill_kernel, call, 90), 90).to_dict(),
+                       "modelled_shared": shared_bytes(s, config, schedule)}
+    return out
+
+
 def test_schedule_flags_from_the_environment_sit_between_the_default_and_the_callers(monkeypatch):
     from pagedprefill_sm80.hopper.launch import SCHEDULE_ENV, resolve_schedule
 
