@@ -64,8 +64,9 @@ KEY_LOAD_HEAD_SIZES = (128, 256)
 
 def hopper_schedule(shape: ProblemShape) -> dict:
     """Schedule flags of the Hopper kernel chosen for calls of ``shape``, over the kernel's defaults
-    (:data:`pagedprefill_sm80.hopper.launch.SCHEDULE`; the launch's :func:`~pagedprefill_sm80.hopper.launch.
-    resolve_schedule` reads them, and ``PAGEDPREFILL_SM80_SCHEDULE`` or a caller's own flags override them).
+    (:data:`pagedprefill_sm80.hopper.launch.SCHEDULE`). The launch reads them through
+    :func:`pagedprefill_sm80.hopper.launch.resolve_schedule`, where ``PAGEDPREFILL_SM80_SCHEDULE`` and a
+    caller's own flags override them.
 
     The split layout with a 16-bit cache at head sizes 128 and 256 reads its cached keys with a producer
     warpgroup's loads (``KEY_LOADS``) and issues each tile's value boxes first (``VALUES_FIRST``): on the H200,
