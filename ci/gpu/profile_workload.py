@@ -27,9 +27,13 @@ def main(argv=None) -> int:
     parser.add_argument("--schedule", default="", help="sm80's Hopper kernel's schedule flags, NAME=0|1,...")
     args = parser.parse_args(argv)
     if args.schedule:
+        import os
+
         from pagedprefill_sm80.hopper import launch
 
-        launch.SCHEDULE.update(launch.parse_schedule(args.schedule))
+        launch.parse_schedule(args.schedule)  # a bad flag fails here, naming it
+        # Through the environment: over the policy's flags for the route, under nothing else.
+        os.environ[launch.SCHEDULE_ENV] = args.schedule
     matches = [wl for wl in SUITES[args.suite]() if args.name in wl.name]
     if not matches:
         raise SystemExit(f"profile_workload: no workload of the {args.suite} suite has {args.name!r} in its name")

@@ -8,7 +8,8 @@ and dtypes, on the Hopper kernel wherever those allow it. ``test_sm80_conformanc
 written on the portable kernel.
 
 ``PAGEDPREFILL_TEST_HOPPER_SCHEDULE`` (e.g. ``PINGPONG=1,TURNS=1``) runs the suite with those schedule flags of
-the kernel instead of its defaults (:data:`pagedprefill_sm80.hopper.launch.SCHEDULE`).
+the kernel over its defaults (:data:`pagedprefill_sm80.hopper.launch.SCHEDULE`) and the policy's per-route flags:
+added to ``PAGEDPREFILL_SM80_SCHEDULE``, which sets them for any process.
 """
 
 import os
@@ -41,8 +42,11 @@ class TestSm80HopperConformance(ConformanceSuite):
     @pytest.fixture(autouse=True)
     def hopper_kernel(self, monkeypatch):
         monkeypatch.setenv(KERNEL_ENV, "hopper")
-        for name, value in launch.parse_schedule(os.environ.get(SCHEDULE_ENV, "")).items():
-            monkeypatch.setitem(launch.SCHEDULE, name, value)
+        flags = os.environ.get(SCHEDULE_ENV, "")
+        launch.parse_schedule(flags)  # a bad flag fails here, naming it
+        if flags:
+            monkeypatch.setenv(launch.SCHEDULE_ENV,
+                               ",".join(filter(None, (os.environ.get(launch.SCHEDULE_ENV), flags))))
 
     def case_spec(self, case: str, size: str, seed: int) -> BatchSpec:
         return hopper_head_size(super().case_spec(case, size, seed), seed)
