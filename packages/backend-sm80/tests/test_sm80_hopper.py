@@ -12,7 +12,7 @@ from pagedprefill.backends.triton_base import problem_shape
 from pagedprefill.tiling import ProblemShape
 from pagedprefill.workloads import BatchSpec, make_problem
 from pagedprefill_sm80 import Sm80Backend
-from pagedprefill_sm80.hopper.launch import kernel_call, unfit_reason
+from pagedprefill_sm80.hopper.launch import SCHEDULE_ENV, kernel_call, unfit_reason
 from pagedprefill_sm80.policy import HOPPER_BY_DEFAULT, KERNEL_ENV, choose_kernel, hopper_config, kernel_preference
 
 # Gluon wraps Triton's own functions when it is first imported, and refuses interpreter-decorated ones unless the
@@ -34,9 +34,11 @@ SPEC = BatchSpec(query_lens=(40, 1, 70), context_lens=(90, 33, 0), num_heads=8, 
 
 @pytest.fixture(autouse=True)
 def _described_gpus(monkeypatch):
-    """These tests describe GPUs; Triton's interpreter (set for the kernel tests) would veto every GPU."""
+    """These tests describe GPUs; Triton's interpreter (set for the kernel tests) would veto every GPU. Neither a
+    kernel preference nor schedule flags from the caller's environment reach them."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv(KERNEL_ENV, raising=False)
+    monkeypatch.delenv(SCHEDULE_ENV, raising=False)
 
 
 def shape(**changes) -> ProblemShape:
@@ -182,8 +184,6 @@ def without_interpreter() -> dict:
     """The environment for a child process that compiles for a GPU (Triton's interpreter, set for the kernel
     tests, decorates kernels for the CPU and Gluon refuses those)."""
     import os
-
-    from pagedprefill_sm80.hopper.launch import SCHEDULE_ENV
 
     return {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", KERNEL_ENV, SCHEDULE_ENV)}
 
@@ -431,13 +431,11 @@ def test_key_loads_apply_to_split_tiles_of_at_least_32_keys_with_a_warpgroups_re
     from dataclasses import replace
 
     from pagedprefill_sm80.hopper.launch import (
-        SCHEDULE_ENV,
         WIDENING_CONSUMER_REGS,
         WIDENING_PRODUCER_REGS,
         resolve_schedule,
     )
 
-    monkeypatch.delenv(SCHEDULE_ENV, raising=False)
     split = shape(layout="split")
     config = hopper_config(split)
     asked = dict(KEY_LOADS=True)
@@ -462,11 +460,9 @@ def test_the_policy_reads_split_16_bit_caches_at_head_sizes_128_and_256_with_key
     """Where they measured faster (run 10): ``KEY_LOADS`` and ``VALUES_FIRST`` on the split layout's 16-bit
     cache at head sizes 128 and 256, the copies elsewhere; the environment and a caller's flags override the
     policy's, and ``info``'s reason names the flags."""
-    from pagedprefill_sm80.hopper.launch import SCHEDULE, SCHEDULE_ENV, resolve_schedule
+    from pagedprefill_sm80.hopper.launch import SCHEDULE, resolve_schedule
     from pagedprefill_sm80.policy import hopper_schedule
 
-    monkeypatch.delenv(SCHEDULE_ENV, raising=False)
-    monkeypatch.delenv(KERNEL_ENV, raising=False)
     assert not SCHEDULE["KEY_LOADS"] and not SCHEDULE["VALUES_FIRST"]  # the kernel's own defaults stay off
     for head_size in (64, 96, 128, 256):
         for layout, cache in (("split", "auto"), ("split", "fp8_e4m3"), ("nhd", "auto")):
@@ -496,13 +492,11 @@ def test_wide_key_chunks_apply_to_16_bit_split_tiles_of_more_than_64_keys(monkey
     """``WIDE_KEY_CHUNKS`` loads 64 keys per chunk: the kernel takes the chunk as ``KEY_LOADS``, and its producer
     the registers of two such chunks."""
     from pagedprefill_sm80.hopper.launch import (
-        SCHEDULE_ENV,
         WIDE_CHUNK_CONSUMER_REGS,
         WIDE_CHUNK_PRODUCER_REGS,
         resolve_schedule,
     )
 
-    monkeypatch.delenv(SCHEDULE_ENV, raising=False)
     split = shape(layout="split")
     n128 = hopper_config(split).with_(block_n=128, num_stages=2)
     wide = dict(WIDE_KEY_CHUNKS=True)
@@ -582,7 +576,7 @@ def compile_256_key_tiles() -> dict:
 
 
 def test_schedule_flags_from_the_environment_sit_between_the_default_and_the_callers(monkeypatch):
-    from pagedprefill_sm80.hopper.launch import SCHEDULE_ENV, resolve_schedule
+    from pagedprefill_sm80.hopper.launch import resolve_schedule
 
     split = shape(layout="split")
     config = hopper_config(split)
