@@ -500,7 +500,7 @@ def test_wide_key_chunks_apply_to_16_bit_split_tiles_of_more_than_64_keys(monkey
     split = shape(layout="split")
     n128 = hopper_config(split).with_(block_n=128, num_stages=2)
     wide = dict(WIDE_KEY_CHUNKS=True)
-    assert resolve_schedule(split, n128, wide)["WIDE_KEY_CHUNKS"]  # the policy's key loads are on here
+    assert resolve_schedule(split, n128, wide)["WIDE_KEY_CHUNKS"]
     assert not resolve_schedule(split, n128, dict(wide, KEY_LOADS=False))["WIDE_KEY_CHUNKS"]
     assert not resolve_schedule(split, n128.with_(block_n=64, num_stages=3), wide)["WIDE_KEY_CHUNKS"]
     split_fp8 = shape(layout="split", kv_cache_dtype="fp8_e4m3")
@@ -510,7 +510,8 @@ def test_wide_key_chunks_apply_to_16_bit_split_tiles_of_more_than_64_keys(monkey
     assert call.constexprs["KEY_LOADS"] == 64 and "WIDE_KEY_CHUNKS" not in call.constexprs
     assert (call.constexprs["PRODUCER_REGS"], call.constexprs["CONSUMER_REGS"]) == \
         (WIDE_CHUNK_PRODUCER_REGS, WIDE_CHUNK_CONSUMER_REGS)
-    assert kernel_call(problem, n128, split).constexprs["KEY_LOADS"] == 32
+    assert kernel_call(problem, n128, split).constexprs["KEY_LOADS"] == 64  # the policy's, on 128-key tiles
+    assert kernel_call(problem, n128, split, dict(WIDE_KEY_CHUNKS=False)).constexprs["KEY_LOADS"] == 32
 
 
 def test_wide_key_chunks_compile_for_sm90_without_spills():

@@ -9,7 +9,10 @@ written on the portable kernel.
 
 ``PAGEDPREFILL_TEST_HOPPER_SCHEDULE`` (e.g. ``PINGPONG=1,TURNS=1``) runs the suite with those schedule flags of
 the kernel over its defaults (:data:`pagedprefill_sm80.hopper.launch.SCHEDULE`) and the policy's per-route flags:
-added to ``PAGEDPREFILL_SM80_SCHEDULE``, which sets them for any process.
+added to ``PAGEDPREFILL_SM80_SCHEDULE``, which sets them for any process. ``PAGEDPREFILL_TEST_HOPPER_TILE`` (e.g.
+``block_n=128,num_stages=2``) changes the policy's Hopper tile of every call where the changed tile fits, so
+that the suite's short calls also run a tile the policy gives long ones (and the schedule flags of its route);
+the backend remembers its tiles per process, so run the class alone with it set.
 """
 
 import os
@@ -20,10 +23,32 @@ from pagedprefill import DeviceInfo
 from pagedprefill.testing import ConformanceSuite
 from pagedprefill.testing.cases import BASE
 from pagedprefill.workloads import BatchSpec
+from pagedprefill_sm80 import policy
 from pagedprefill_sm80.hopper import launch
 from pagedprefill_sm80.policy import KERNEL_ENV
 
 SCHEDULE_ENV = "PAGEDPREFILL_TEST_HOPPER_SCHEDULE"
+TILE_ENV = "PAGEDPREFILL_TEST_HOPPER_TILE"
+
+
+def tile_changes(text: str) -> dict:
+    """``{"block_n": 128, ...}`` from ``"block_n=128,..."``: integer fields of the Hopper kernel's tile."""
+    changes = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        if name not in ("block_n", "num_stages", "heads_per_tile") or not value.strip().isdigit():
+            raise ValueError(f"{TILE_ENV}: expected block_n, num_stages or heads_per_tile=<integer>, got {item!r}")
+        changes[name] = int(value)
+    return changes
+
+
+def changed_hopper_config(changes: dict, rule=policy.hopper_config):
+    """The policy's Hopper tile rule with ``changes`` made wherever the changed tile fits an sm90 GPU."""
+    def config(shape):
+        tile = rule(shape)
+        changed = tile.with_(**changes)
+        return changed if launch.shape_unfit_reason(shape, changed, 227 * 1024) is None else tile
+    return config
 
 
 def hopper_head_size(spec: BatchSpec, seed: int) -> BatchSpec:
@@ -47,6 +72,10 @@ class TestSm80HopperConformance(ConformanceSuite):
         if flags:
             monkeypatch.setenv(launch.SCHEDULE_ENV,
                                ",".join(filter(None, (os.environ.get(launch.SCHEDULE_ENV), flags))))
+        changes = tile_changes(os.environ.get(TILE_ENV, ""))
+        if changes:
+            # The backend remembers its tiles for the process: run this class alone with the variable set.
+            monkeypatch.setattr(policy, "hopper_config", changed_hopper_config(changes))
 
     def case_spec(self, case: str, size: str, seed: int) -> BatchSpec:
         return hopper_head_size(super().case_spec(case, size, seed), seed)

@@ -53,7 +53,9 @@ class Sm80Backend(TritonBackend):
     def kernel_choice(self, shape: ProblemShape, device: DeviceInfo) -> tuple[str, str]:
         """The policy's kernel and why, naming the schedule flags it sets for the Hopper kernel's route."""
         kernel, why = choose_kernel(shape, device)
-        flags = [name for name, on in hopper_schedule(shape).items() if on] if kernel == "hopper" else []
+        if kernel != "hopper":
+            return kernel, why
+        flags = [name for name, on in hopper_schedule(shape, self.tile_config(shape, device).block_n).items() if on]
         return kernel, why + (f"; schedule {'+'.join(flags)}" if flags else "")
 
     def kernel_for(self, problem: PrefillProblem, device: DeviceInfo) -> str:

@@ -58,23 +58,37 @@ HOPPER_WINS = frozenset({(64, "auto"), (96, "auto"), (128, "auto"), (256, "auto"
 
 
 #: Head sizes at which the split layout's 16-bit cache is read by the Hopper kernel's ``KEY_LOADS`` and
-#: ``VALUES_FIRST`` schedule (:func:`hopper_schedule`).
+#: ``VALUES_FIRST`` schedule on every tile (:func:`hopper_schedule`) ...
 KEY_LOAD_HEAD_SIZES = (128, 256)
+#: ... and at which it is on tiles of more than 64 keys only, where the loads take 64 keys per chunk
+#: (``WIDE_KEY_CHUNKS``): 32 keys per chunk were slower than the copies at these head sizes.
+WIDE_KEY_LOAD_HEAD_SIZES = (64, 96)
 
 
-def hopper_schedule(shape: ProblemShape) -> dict:
-    """Schedule flags of the Hopper kernel chosen for calls of ``shape``, over the kernel's defaults
-    (:data:`pagedprefill_sm80.hopper.launch.SCHEDULE`). The launch reads them through
-    :func:`pagedprefill_sm80.hopper.launch.resolve_schedule`, where ``PAGEDPREFILL_SM80_SCHEDULE`` and a
-    caller's own flags override them.
+def hopper_schedule(shape: ProblemShape, block_n: Optional[int] = None) -> dict:
+    """Schedule flags of the Hopper kernel for calls of ``shape`` on tiles of ``block_n`` keys (by default
+    :func:`hopper_config`'s), over the kernel's defaults (:data:`pagedprefill_sm80.hopper.launch.SCHEDULE`). The
+    launch reads them through :func:`pagedprefill_sm80.hopper.launch.resolve_schedule`, where
+    ``PAGEDPREFILL_SM80_SCHEDULE`` and a caller's own flags override them.
 
-    The split layout with a 16-bit cache at head sizes 128 and 256 reads its cached keys with a producer
-    warpgroup's loads (``KEY_LOADS``) and issues each tile's value boxes first (``VALUES_FIRST``): on the H200,
-    same data, same run (docs/performance.md, run 10), 1.01-1.23 x over the 16-byte copies on the rows of
-    those head sizes, from fewer L2 requests. Not at head sizes 64 and 96, nor with an FP8 cache, where the
-    copies were faster (0.89 and 0.98 x; 0.82 x with an FP8 cache, where ``VALUES_FIRST`` does not apply)."""
-    if shape.layout == "split" and shape.kv_cache_dtype == "auto" and shape.head_size in KEY_LOAD_HEAD_SIZES:
-        return dict(KEY_LOADS=True, VALUES_FIRST=True)
+    The split layout with a 16-bit cache reads its cached keys with a producer warpgroup's loads
+    (``KEY_LOADS``) and issues each tile's value boxes first (``VALUES_FIRST``), 64 keys per chunk of loads on
+    tiles of more than 64 keys (``WIDE_KEY_CHUNKS``). On the H200, same data, same run (docs/performance.md):
+
+    * head sizes 128 and 256, 32 keys per chunk: 1.01-1.23 x over the 16-byte copies (run 10);
+    * 64 keys per chunk on 128-key tiles: 1.13 x over 32 on the prefix-cached row, 1.09 x on the chunked one,
+      level on the long prefill (run 11);
+    * head sizes 64 and 96: 32 keys per chunk were 0.89 and 0.98 x the copies (run 10), 64 keys per chunk
+      1.12 and 1.18 x (run 11), so they take the loads on tiles of more than 64 keys only.
+
+    Not with an FP8 cache, where the copies were faster (0.82 x, run 10)."""
+    if shape.layout != "split" or shape.kv_cache_dtype != "auto":
+        return {}
+    from .hopper.launch import WIDE_KEY_CHUNK  # imports Triton: only when a policy decides
+
+    wide_chunks = (hopper_config(shape).block_n if block_n is None else block_n) > WIDE_KEY_CHUNK
+    if shape.head_size in KEY_LOAD_HEAD_SIZES or (wide_chunks and shape.head_size in WIDE_KEY_LOAD_HEAD_SIZES):
+        return dict(KEY_LOADS=True, VALUES_FIRST=True, **({"WIDE_KEY_CHUNKS": True} if wide_chunks else {}))
     return {}
 
 
@@ -114,6 +128,8 @@ def hopper_config(shape: ProblemShape) -> TileConfig:
 
     * head size up to 128, cache in the input dtype, NHD layout or a long prefill: 128 keys per step in a 2-deep
       ring (half the per-step work outside the MMAs: block-table reads, masks, the softmax's row reductions);
+    * head size 64 in the NHD layout, long calls: 256 keys per step in a 3-deep ring (208 KiB), the widest
+      warpgroup MMA (1.07 x over 128 keys on the prefix-cached row in run 11; 2 stages 1.05 x);
     * the split layout's short calls: 64 keys in a 3-deep ring (128 keys were 3.5% slower on its many-short row
       in run 5; its long calls were level with 128 keys on cached rows and 7.8% faster on the long prefill in
       run 6);
@@ -129,6 +145,9 @@ def hopper_config(shape: ProblemShape) -> TileConfig:
         block_n, stages = 32, 2  # beside the split layout's own V^T ring (164 KiB)
     elif shape.head_size_padded > 128 or (shape.layout == "split" and shape.kv_cache_dtype != "auto"):
         block_n, stages = 64, 2
+    elif shape.head_size_padded <= 64 and shape.layout == "nhd" and shape.workload == "long" \
+            and shape.kv_cache_dtype == "auto":
+        block_n, stages = 256, 3
     elif shape.layout == "nhd" or shape.workload == "long":  # an FP8 cache is read in the NHD layout only
         block_n, stages = 128, 2
     else:
@@ -216,13 +235,17 @@ def portable_config(shape: ProblemShape, device: DeviceInfo) -> TileConfig:
 
 def hopper_search_space(shape: ProblemShape, device: DeviceInfo) -> list[TileConfig]:
     """The Hopper kernel's candidates: its rule's tile first, then 64 or 128 keys per step in 2- or 3-deep rings
-    on 128 rows, with its rule's head packing and without, where the kernel takes them and they fit the
-    device's shared memory (:func:`pagedprefill_sm80.hopper.launch.shared_bytes`)."""
+    on 128 rows (and 256 keys in a 3-deep ring at head size 64 in the NHD layout), with its rule's head packing
+    and without, where the kernel takes them and they fit the device's shared memory
+    (:func:`pagedprefill_sm80.hopper.launch.shared_bytes`)."""
     from .hopper.launch import shape_unfit_reason
 
     rule = hopper_config(shape)
     out = [rule]
-    for block_n, stages in ((64, 3), (128, 2), (64, 2), (128, 3)):
+    steps = [(64, 3), (128, 2), (64, 2), (128, 3)]
+    if shape.head_size_padded <= 64 and shape.layout == "nhd":
+        steps.append((256, 3))
+    for block_n, stages in steps:
         for heads in sorted({1, rule.heads_per_tile}):
             cfg = rule.with_(block_n=block_n, num_stages=stages, heads_per_tile=heads)
             if cfg not in out and shape_unfit_reason(shape, cfg, device.max_shared_mem) is None:

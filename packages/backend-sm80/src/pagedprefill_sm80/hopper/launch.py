@@ -334,7 +334,7 @@ def resolve_schedule(shape: ProblemShape, config: TileConfig, schedule: Optional
         from_env = parse_schedule(os.environ.get(SCHEDULE_ENV, ""))
     except ValueError as exc:
         raise ValueError(f"{SCHEDULE_ENV}: {exc}") from None
-    schedule = {**SCHEDULE, **hopper_schedule(shape), **from_env, **(schedule or {})}
+    schedule = {**SCHEDULE, **hopper_schedule(shape, config.block_n), **from_env, **(schedule or {})}
     split, fp8 = shape.layout == "split", shape.kv_cache_dtype != "auto"
     # Two consumer partitions need two warpgroups' worth of rows.
     schedule["PINGPONG"] = bool(schedule["PINGPONG"]) and config.num_warps == 8
