@@ -116,7 +116,8 @@ VARIANTS = [
     ("pingpong-key-copies", {}, dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=False, VALUES_FIRST=False)),
     # ... with each tile's value boxes issued before its keys are loaded.
     ("pingpong-key-loads-values-first", {}, dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=True, VALUES_FIRST=True)),
-    # ... with 64 keys per chunk of loads (a whole 128-key tile in flight; the policy's key loads take 32).
+    # ... with 64 keys per chunk of loads (a whole 128-key tile in flight), on every split row; the policy's
+    # choice on 128-key tiles of a 16-bit cache since run 11.
     ("pingpong-key-loads-wide-chunks", {},
      dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=True, VALUES_FIRST=True, WIDE_KEY_CHUNKS=True)),
     # FP8 caches widened once by a producer warpgroup (the consumers' copies freed: room for 3 stages).
@@ -141,10 +142,13 @@ VARIANTS = [
     ("pingpong-n64-s3", dict(block_n=64, num_stages=3), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
     # 256 keys per step, for head size 64 (the widest warpgroup MMA; 208 KiB in 3 stages on NHD): half the per-step
     # work outside the MMAs of 128 keys again. The split layout's copies of 256 keys need a producer warpgroup.
-    ("pingpong-n256-s2", dict(block_n=256, num_stages=2), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
-    ("pingpong-n256-s3", dict(block_n=256, num_stages=3), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
+    # (The split layout's keys by 16-byte copies, as in run 11.)
+    ("pingpong-n256-s2", dict(block_n=256, num_stages=2),
+     dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, KEY_LOADS=False)),
+    ("pingpong-n256-s3", dict(block_n=256, num_stages=3),
+     dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, KEY_LOADS=False)),
     ("pingpong-n256-s2-wide-producer", dict(block_n=256, num_stages=2),
-     dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, WIDE_PRODUCER=True)),
+     dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, WIDE_PRODUCER=True, KEY_LOADS=False)),
     ("pingpong-m64", dict(block_m=64, num_warps=4), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
 ]
 

@@ -5,6 +5,8 @@ Its results are checked on an sm90 GPU by ``test_sm80_hopper_conformance.py``: G
 Triton's CPU interpreter.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from pagedprefill import DeviceInfo
@@ -488,6 +490,51 @@ def test_the_policy_reads_split_16_bit_caches_at_head_sizes_128_and_256_with_key
     assert call.constexprs["KEY_LOADS"] and call.constexprs["VALUES_FIRST"]
 
 
+def test_the_policy_reads_128_key_split_tiles_with_64_key_chunks_at_head_sizes_64_to_256():
+    """Run 11: long calls of the split layout's 16-bit cache (128-key tiles) take ``KEY_LOADS``,
+    ``VALUES_FIRST`` and ``WIDE_KEY_CHUNKS`` at head sizes 64, 96 and 128; head size 256 (32-key tiles) keeps
+    32-key chunks, an FP8 cache the copies, NHD none of them; ``info`` names what the tile takes."""
+    from pagedprefill_sm80.hopper.launch import resolve_schedule
+    from pagedprefill_sm80.policy import hopper_schedule
+
+    names = ("KEY_LOADS", "VALUES_FIRST", "WIDE_KEY_CHUNKS")
+    for head_size in (64, 96, 128, 256):
+        for layout, cache in (("split", "auto"), ("split", "fp8_e4m3"), ("nhd", "auto")):
+            if cache != "auto" and head_size != 128:
+                continue
+            s = dataclasses.replace(shape(layout=layout, head_size=head_size, kv_cache_dtype=cache),
+                                    num_tokens=4096, num_seqs=2, max_query_len=2048)
+            assert s.workload == "long"
+            config = Sm80Backend().tile_config(s, H200)
+            flags = resolve_schedule(s, config)
+            split16 = layout == "split" and cache == "auto"
+            expected = (split16, split16, split16 and head_size <= 128)
+            assert tuple(flags[n] for n in names) == expected, (layout, head_size, cache, config)
+            assert tuple(bool(hopper_schedule(s, config.block_n).get(n)) for n in names) == expected
+            why = Sm80Backend().kernel_choice(s, H200)[1]
+            taken = "+".join(n for n, on in zip(names, expected) if on)
+            assert why.endswith(f"; schedule {taken}") if taken else "schedule" not in why, why
+    # A tile of 64 keys at head size 64 (a caller's, or a table's) gets neither the loads nor their chunks.
+    s64 = dataclasses.replace(shape(layout="split", head_size=64), num_tokens=4096, num_seqs=2, max_query_len=2048)
+    assert hopper_schedule(s64, 64) == {} and hopper_schedule(s64)["WIDE_KEY_CHUNKS"]
+
+
+def test_head_size_64_nhd_long_calls_take_256_keys_in_3_stages():
+    """Run 11: 256 keys per step in a 3-deep ring at head size 64 (NHD, long calls), 1.07 x over 128 keys; the
+    shipped table's tuned entry agrees, and ``pagedprefill tune`` offers the tile."""
+    from pagedprefill_sm80.hopper.launch import shape_unfit_reason
+    from pagedprefill_sm80.policy import hopper_search_space
+
+    s = dataclasses.replace(shape(head_size=64), num_tokens=4096, num_seqs=2, max_query_len=2048)
+    rule = hopper_config(s)
+    assert (rule.block_n, rule.num_stages) == (256, 3) and shape_unfit_reason(s, rule, H200.max_shared_mem) is None
+    assert Sm80Backend().tile_config(s, H200).with_(kernel="hopper") == rule
+    short = shape(head_size=64)
+    assert short.workload == "short" and hopper_config(short).block_n == 128
+    assert hopper_config(dataclasses.replace(s, layout="split")).block_n == 128
+    assert any(c.block_n == 256 for c in hopper_search_space(short, H200))
+
+
 def test_wide_key_chunks_apply_to_16_bit_split_tiles_of_more_than_64_keys(monkeypatch):
     """``WIDE_KEY_CHUNKS`` loads 64 keys per chunk: the kernel takes the chunk as ``KEY_LOADS``, and its producer
     the registers of two such chunks."""
@@ -566,7 +613,9 @@ def compile_256_key_tiles() -> dict:
     from pagedprefill_sm80.hopper.launch import shared_bytes
 
     out = {}
-    for layout, stages, schedule in (("nhd", 3, {}), ("split", 2, dict(WIDE_PRODUCER=True))):
+    # The split layout's keys by 16-byte copies, as timed in run 11 (the policy's 64-key chunks of loads, which
+    # it gives 128-key tiles, spill 100 bytes at 256 keys).
+    for layout, stages, schedule in (("nhd", 3, {}), ("split", 2, dict(WIDE_PRODUCER=True, KEY_LOADS=False))):
         problem = make_problem(SPEC.replace(layout=layout, head_size=64))
         s = problem_shape(problem)
         config = hopper_config(s).with_(block_n=256, num_stages=stages)

@@ -272,7 +272,9 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: (with ``KEY_LOADS``, a 16-bit cache and tiles of more than 64 keys) loads 64 keys per chunk instead of 32, so
 #: that a whole 128-key tile is in flight: under the profiler the split prefix-cached row's largest stall was
 #: then the producer's wait on its own loads (run 10). Its producer holds more registers
-#: (:data:`WIDE_CHUNK_PRODUCER_REGS`). Built after run 10, not yet run.
+#: (:data:`WIDE_CHUNK_PRODUCER_REGS`). Run 11 (H200): it passed ``hopper_check.py`` (44 of 44) and sm80's suite,
+#: and was 1.09-1.18 x on the split rows of 128-key tiles; the policy sets it there, with the two above, and
+#: at head sizes 64 and 96 too (:func:`pagedprefill_sm80.policy.hopper_schedule`).
 #: Run 7 (H200, docs/performance.md): ``PRODUCER_WIDENS`` passed hopper_check.py's 37 cases and was 1.12 x the
 #: consumers widening their own copies on the FP8 row (266.9 vs 238.6 TFLOP/s): on by default.
 #: ``WIDE_PRODUCER`` passed them too and was 0.97 x (355.1 vs 365.8 on the split prefix-cached row): off, but for
