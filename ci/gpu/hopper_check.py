@@ -120,6 +120,8 @@ VARIANTS = [
     # choice on 128-key tiles of a 16-bit cache since run 11.
     ("pingpong-key-loads-wide-chunks", {},
      dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=True, VALUES_FIRST=True, WIDE_KEY_CHUNKS=True)),
+    # ... with each cached tile's keys loaded before its buffer is free (the policy's key loads otherwise).
+    ("pingpong-early-keys", {}, dict(HEAVY_FIRST=True, PINGPONG=True, EARLY_KEYS=True)),
     # FP8 caches widened once by a producer warpgroup (the consumers' copies freed: room for 3 stages).
     ("pingpong-producer-widens", {}, dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=True)),
     ("pingpong-producer-widens-s3", dict(num_stages=3), dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=True)),

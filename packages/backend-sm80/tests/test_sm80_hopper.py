@@ -150,6 +150,8 @@ SCHEDULES = {
     "pingpong-consumers-widen": dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=False),
     "pingpong-key-loads": dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=True),
     "pingpong-key-loads-values-first": dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=True, VALUES_FIRST=True),
+    "pingpong-key-loads-early-keys": dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=True, VALUES_FIRST=True,
+                                          EARLY_KEYS=True),
 }
 
 
@@ -590,6 +592,66 @@ def compile_wide_key_chunks() -> dict:
     return {**summarize(compiled, 90).to_dict(),
             "producer_regs_set": ("dec", str(WIDE_CHUNK_PRODUCER_REGS)) in counts,
             "consumer_regs_set": ("inc", str(WIDE_CHUNK_CONSUMER_REGS)) in counts}
+
+
+def test_early_keys_apply_where_the_producer_loads_a_tile_in_one_or_two_chunks():
+    """``EARLY_KEYS`` needs the split layout's key loads of a 16-bit cache, and a tile of at most two chunks (the
+    registers the loads hold anyway): the policy's 128-key tiles (64-key chunks), 64-key tiles (32) and head size
+    256's 32-key tiles; not 128-key tiles in 32-key chunks, an FP8 cache, NHD, or the copies."""
+    from pagedprefill_sm80.hopper.launch import resolve_schedule
+
+    early = dict(EARLY_KEYS=True)
+    split = shape(layout="split")
+    n128 = hopper_config(split).with_(block_n=128, num_stages=2)
+    n64 = hopper_config(split).with_(block_n=64, num_stages=3)
+    assert resolve_schedule(split, n128, early)["EARLY_KEYS"]  # the policy's 64-key chunks
+    assert resolve_schedule(split, n64, early)["EARLY_KEYS"]  # two chunks of 32
+    assert not resolve_schedule(split, n128, dict(early, WIDE_KEY_CHUNKS=False))["EARLY_KEYS"]  # four of 32
+    assert not resolve_schedule(split, n128, dict(early, KEY_LOADS=False))["EARLY_KEYS"]
+    d256 = shape(layout="split", head_size=256)
+    assert resolve_schedule(d256, hopper_config(d256), early)["EARLY_KEYS"]
+    fp8 = shape(layout="split", kv_cache_dtype="fp8_e4m3")
+    assert not resolve_schedule(fp8, hopper_config(fp8), dict(early, KEY_LOADS=True))["EARLY_KEYS"]
+    assert not resolve_schedule(shape(), hopper_config(shape()), early)["EARLY_KEYS"]
+    assert not resolve_schedule(split, n128)["EARLY_KEYS"]  # off unless asked for
+
+
+def test_early_keys_compile_for_sm90_without_spills():
+    """The split layout's keys loaded before their buffer is free, on the policy's tiles of head sizes 96 and 128
+    (128 keys in 64-key chunks), 64 keys in 32-key chunks, and head size 256's 32 keys: no spills, and code
+    that differs from the same tile's without it."""
+    code = ("import json, test_sm80_hopper as t; print('EARLY', json.dumps(t.compile_early_keys()))")
+    proc = run_child(code)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    summaries = __import__("json").loads(next(x for x in proc.stdout.splitlines() if x.startswith("EARLY "))[6:])
+    assert len(summaries) == 4
+    for name, summary in summaries.items():
+        assert summary["spill_bytes"] in (0, None) and summary["wgmma"] > 0, (name, summary)
+        assert summary["differs"], name
+
+
+def compile_early_keys() -> dict:
+    """Codegen summaries of split tiles under ``EARLY_KEYS``, each with whether its PTX differs without it."""
+    from pagedprefill.triton.codegen import compile_call, summarize
+    from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
+
+    long = dict(query_lens=(400, 300), context_lens=(500, 0))
+    out = {}
+    for name, changes in (("d128_n128", long), ("d96_n128", dict(long, head_size=96)), ("d128_n64", {}),
+                          ("d256_n32", dict(head_size=256))):
+        problem = make_problem(SPEC.replace(layout="split", **changes))
+        s = problem_shape(problem)
+        config = hopper_config(s)
+        early = compile_call(hopper_prefill_kernel, kernel_call(problem, config, s, dict(EARLY_KEYS=True)), 90)
+        plain = compile_call(hopper_prefill_kernel, kernel_call(problem, config, s), 90)
+        out[name] = {**summarize(early, 90).to_dict(), "differs": ptx_code(early) != ptx_code(plain)}
+    return out
+
+
+def ptx_code(compiled) -> list:
+    """The instructions of a compiled kernel's PTX, without its debug information (source lines, DWARF)."""
+    code = compiled.asm["ptx"].split(".section")[0]  # the DWARF sections come last
+    return [line for line in code.splitlines() if not line.strip().startswith((".loc", ".file", "//"))]
 
 
 def test_256_key_tiles_at_head_size_64_compile_for_sm90_without_spills():

@@ -160,16 +160,37 @@ def _split_keys_loaded(split_keys, k_dst, table, kv_head, n0,
     layout those requests, not the bytes, bound the L2), stored into ``k_dst``. ``CHUNK`` keys at a time (32 or
     64, at most ``BLOCK_N``), the next chunk's loads issued before this chunk's stores. ``WARPS`` is 4 (a
     producer warpgroup); the stores are complete when this returns."""
-    k_ld: gl.constexpr = gl.BlockedLayout([1, X], [16, 2], [2, WARPS // 2], [0, 1])
-    ptrs, in_head = _split_key_pointers(split_keys, table, kv_head, n0, CHUNK, HEAD_SIZE, PAGE, X, HEAD_DIM, k_ld)
-    keys = _load_in_head(ptrs, in_head, HEAD_DIM < HEAD_SIZE)
+    keys = _split_key_chunk(split_keys, table, kv_head, n0, HEAD_SIZE, PAGE, X, WARPS, HEAD_DIM, CHUNK)
     for c in gl.static_range(1, BLOCK_N // CHUNK):
-        ptrs, in_head = _split_key_pointers(split_keys, table, kv_head, n0 + c * CHUNK, CHUNK, HEAD_SIZE, PAGE, X,
-                                            HEAD_DIM, k_ld)
-        following = _load_in_head(ptrs, in_head, HEAD_DIM < HEAD_SIZE)
+        following = _split_key_chunk(split_keys, table, kv_head, n0 + c * CHUNK, HEAD_SIZE, PAGE, X, WARPS, HEAD_DIM,
+                                     CHUNK)
         k_dst.slice((c - 1) * CHUNK, CHUNK).store(keys)
         keys = following
     k_dst.slice(BLOCK_N - CHUNK, CHUNK).store(keys)
+
+
+@gluon.jit
+def _split_key_chunk(split_keys, table, kv_head, n0, HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, X: gl.constexpr,
+                     WARPS: gl.constexpr, HEAD_DIM: gl.constexpr, CHUNK: gl.constexpr):
+    """``CHUNK`` cached keys from position ``n0`` of the split layout, loaded into the producer warpgroup's
+    registers (``WARPS`` = 4) as a ``[CHUNK, HEAD_SIZE]`` tile."""
+    k_ld: gl.constexpr = gl.BlockedLayout([1, X], [16, 2], [2, WARPS // 2], [0, 1])
+    ptrs, in_head = _split_key_pointers(split_keys, table, kv_head, n0, CHUNK, HEAD_SIZE, PAGE, X, HEAD_DIM, k_ld)
+    return _load_in_head(ptrs, in_head, HEAD_DIM < HEAD_SIZE)
+
+
+@gluon.jit
+def _split_tile_keys(split_keys, table, kv_head, n0, HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr,
+                     BLOCK_N: gl.constexpr, X: gl.constexpr, WARPS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     CHUNK: gl.constexpr):
+    """A whole tile of cached keys in registers, as its one or two chunks of ``CHUNK`` keys (the second repeats
+    the first when the tile is one chunk)."""
+    first = _split_key_chunk(split_keys, table, kv_head, n0, HEAD_SIZE, PAGE, X, WARPS, HEAD_DIM, CHUNK)
+    second = first
+    if BLOCK_N > CHUNK:
+        second = _split_key_chunk(split_keys, table, kv_head, n0 + CHUNK, HEAD_SIZE, PAGE, X, WARPS, HEAD_DIM,
+                                  CHUNK)
+    return first, second
 
 
 @gluon.jit
@@ -256,19 +277,25 @@ def _split_value_boxes(v_cache_t, table, kv_head, col, n0, v_rows_per_block, bar
 def _split_cached_tile(split_keys, split_values, v_cache_t, table, kv_head, col, n0, v_rows_per_block, barrier,
                        k_dst, vt_dst, HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
                        X: gl.constexpr, WARPS: gl.constexpr, HEAD_DIM: gl.constexpr, VALUE_COPIES: gl.constexpr,
-                       KEY_LOADS: gl.constexpr, VALUES_FIRST: gl.constexpr):
+                       KEY_LOADS: gl.constexpr, VALUES_FIRST: gl.constexpr, EARLY_KEYS: gl.constexpr, loaded):
     """One split-layout tile of cached keys into ``k_dst`` (``[BLOCK_N, D]``, 16-byte copies, or with
     ``KEY_LOADS`` loads and stores, ``KEY_LOADS`` keys per chunk) and of its values into ``vt_dst`` as V^T
     (``[D, BLOCK_N]``): one TMA box per page, or with ``VALUE_COPIES`` 16-byte copies. ``barrier`` completes
     once every copy has landed. ``VALUES_FIRST`` (with ``KEY_LOADS`` and value boxes): the boxes are issued
     before the keys are loaded, and ``barrier`` takes two arrivals, the boxes' expect and one after the keys'
-    stores."""
+    stores. ``EARLY_KEYS`` (with ``KEY_LOADS``): the keys were loaded before the buffer was free, ``loaded``
+    (:func:`_split_tile_keys`; any value otherwise, unread); only their stores are left."""
     VALUE_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * v_cache_t.dtype.primitive_bitwidth // 8
     if VALUES_FIRST:
         mbarrier.expect(barrier, VALUE_BYTES)
         _split_value_boxes(v_cache_t, table, kv_head, col, n0, v_rows_per_block, barrier, vt_dst, HEAD_SIZE, PAGE,
                            BLOCK_N, HEAD_DIM)
-    if KEY_LOADS:
+    if EARLY_KEYS:
+        first, second = loaded
+        k_dst.slice(0, KEY_LOADS).store(first)
+        if BLOCK_N > KEY_LOADS:
+            k_dst.slice(KEY_LOADS, KEY_LOADS).store(second)
+    elif KEY_LOADS:
         _split_keys_loaded(split_keys, k_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM,
                            KEY_LOADS)
     else:
@@ -301,7 +328,8 @@ def _cached_tile(loads, table, kv_head, col, n0, v_rows_per_block, barrier, k_ds
     k_cache, v_cache, _, _, v_cache_t, split_keys, split_values = loads
     if SPLIT:
         _split_cached_tile(split_keys, split_values, v_cache_t, table, kv_head, col, n0, v_rows_per_block, barrier,
-                           k_dst, v_dst, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM, VALUE_COPIES, KEY_LOADS, False)
+                           k_dst, v_dst, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM, VALUE_COPIES, KEY_LOADS, False,
+                           False, k_dst)
     else:
         _cached_boxes(k_cache, v_cache, table, kv_head, col, n0, barrier, k_dst, v_dst, TILE_BYTES, PAGE, BLOCK_N,
                       HEAD_SIZE, HEAD_DIM < HEAD_SIZE)
@@ -312,7 +340,7 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
               HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               SPLIT: gl.constexpr, X: gl.constexpr, HEAD_DIM: gl.constexpr, VT_COPIES: gl.constexpr,
               WARPS: gl.constexpr, PRODUCER_WIDENS: gl.constexpr, KEY_LOADS: gl.constexpr,
-              VALUES_FIRST: gl.constexpr):
+              VALUES_FIRST: gl.constexpr, EARLY_KEYS: gl.constexpr):
     """Fill the ring: for each key tile, wait until its buffer is free, then issue the copies of K and V and
     let the ``ready`` barrier count their bytes (TMA) and their completion (asynchronous copies).
 
@@ -323,12 +351,16 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
     descriptors (``[rows, heads, head size]``), whose boxes of ``HEAD_SIZE`` columns read the columns past the
     head as zeros. ``WARPS``: the producer partition's warps, which share the split layout's 16-byte copies
     (``KEY_LOADS``: its keys' loads and stores). ``VALUES_FIRST``: the split layout's cached value boxes go out
-    before its keys are loaded, and every ``ready`` barrier takes two arrivals.
+    before its keys are loaded, and every ``ready`` barrier takes two arrivals. ``EARLY_KEYS`` (split layout,
+    ``KEY_LOADS``, a tile of one or two chunks): a cached tile's keys are loaded into registers before the wait
+    for its buffer, so that their latency passes while the consumers still hold the buffer.
 
     ``PRODUCER_WIDENS`` (an FP8 cache): the cached tiles land in the FP8 ring (``k8_smem``/``v8_smem``, counted by
     ``ready8``; NHD by TMA, the split layout by 16-byte copies, its values as V^T), up to ``STAGES`` tiles
     ahead; the producer's warps widen each into the 16-bit ring once, for both consumers, then signal ``ready``.
     """
+    gl.static_assert(not EARLY_KEYS or (SPLIT and KEY_LOADS > 0 and not PRODUCER_WIDENS and BLOCK_N <= 2 * KEY_LOADS),
+                     "EARLY_KEYS: the split layout's 16-bit key loads, a tile of one or two chunks")
     PADDED: gl.constexpr = HEAD_DIM < HEAD_SIZE
     k_cache, v_cache, k_new, v_new, v_cache_t, split_keys, split_values = loads
     k_smem, v_smem, vt_smem, k8_smem, v8_smem, ready, empty = ring
@@ -344,7 +376,20 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
             _cached_tile(loads, table, kv_head, col, cache_start + j * BLOCK_N, v_rows_per_block, ready8.index(j),
                          k8_smem.index(j), v8_smem.index(j), 2 * CACHE_HALF_BYTES, HEAD_SIZE, PAGE, BLOCK_N, SPLIT, X,
                          WARPS, HEAD_DIM, True, KEY_LOADS)
-    for it in range(cache_tiles + new_tiles):
+    first_new = 0
+    if EARLY_KEYS:
+        # The cached tiles first, each one's keys loaded before its buffer is free; then the new tokens' tiles.
+        for it in range(cache_tiles):
+            s = it % STAGES
+            n0 = cache_start + it * BLOCK_N
+            loaded = _split_tile_keys(split_keys, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM,
+                                      KEY_LOADS)
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            _split_cached_tile(split_keys, split_values, v_cache_t, table, kv_head, col, n0, v_rows_per_block,
+                               ready.index(s), k_smem.index(s), vt_smem.index(s), HEAD_SIZE, PAGE, BLOCK_N, X, WARPS,
+                               HEAD_DIM, VT_COPIES, KEY_LOADS, VALUES_FIRST, True, loaded)
+        first_new = cache_tiles
+    for it in range(first_new, cache_tiles + new_tiles):
         s = it % STAGES
         mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
         k_dst = k_smem.index(s)
@@ -369,7 +414,7 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
                 _split_cached_tile(split_keys, split_values, v_cache_t, table, kv_head, col,
                                    cache_start + it * BLOCK_N, v_rows_per_block, ready.index(s), k_dst,
                                    vt_smem.index(s), HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM, VT_COPIES,
-                                   KEY_LOADS, VALUES_FIRST)
+                                   KEY_LOADS, VALUES_FIRST, False, k_dst)
             else:
                 _cached_boxes(k_cache, v_cache, table, kv_head, col, cache_start + it * BLOCK_N, ready.index(s),
                               k8_smem.index(s), v8_smem.index(s), 2 * CACHE_HALF_BYTES, PAGE, BLOCK_N, HEAD_SIZE,
@@ -656,7 +701,8 @@ def hopper_prefill_kernel(
     SPLIT: gl.constexpr, X: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr, OVERLAP: gl.constexpr,
     FP8_CACHE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, HEAD_DIM: gl.constexpr,
     VT_COPIES: gl.constexpr, WIDE_PRODUCER: gl.constexpr, SHARED_V: gl.constexpr, PRODUCER_WIDENS: gl.constexpr,
-    KEY_LOADS: gl.constexpr, VALUES_FIRST: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    KEY_LOADS: gl.constexpr, VALUES_FIRST: gl.constexpr, EARLY_KEYS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
 ):
     """Prefix-prefill attention of one query tile on sm90 (see the module docstring).
 
@@ -680,7 +726,8 @@ def hopper_prefill_kernel(
     ``PRODUCER_WIDENS`` (FP8 cache): a producer warpgroup widens each cached tile once into the 16-bit ring,
     instead of each consumer into its own copy. ``KEY_LOADS`` (split layout; 0 for off): the producer warpgroup
     reads the cached keys with loads and stores instead of asynchronous copies, ``KEY_LOADS`` keys (32 or 64) per
-    chunk; ``VALUES_FIRST`` (with it) issues each cached tile's value boxes before loading its keys.
+    chunk; ``VALUES_FIRST`` (with it) issues each cached tile's value boxes before loading its keys;
+    ``EARLY_KEYS`` (with it) loads each cached tile's keys before waiting for its buffer.
     """
     TOKENS_PER_TILE: gl.constexpr = BLOCK_M // HEADS_PER_TILE
     tile = gl.program_id(0)
@@ -813,7 +860,7 @@ def hopper_prefill_kernel(
                          TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS)),
             (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk,
                          HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
-                         PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES)),
+                         PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES, EARLY_KEYS)),
         ], [LAUNCH_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -824,5 +871,5 @@ def hopper_prefill_kernel(
                          False, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS)),
             (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk,
                          HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
-                         PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES)),
+                         PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES, EARLY_KEYS)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])

@@ -275,6 +275,11 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: (:data:`WIDE_CHUNK_PRODUCER_REGS`). Run 11 (H200): it passed ``hopper_check.py`` (44 of 44) and sm80's suite,
 #: and was 1.09-1.18 x on the split rows of 128-key tiles; the policy sets it there, with the two above, and
 #: at head sizes 64 and 96 too (:func:`pagedprefill_sm80.policy.hopper_schedule`).
+#: ``EARLY_KEYS`` (with ``KEY_LOADS``, a 16-bit cache and tiles of one or two chunks: every route the policy gives
+#: the key loads) loads each cached tile's keys into the producer's registers before it waits for the tile's
+#: buffer, instead of after: their latency then passes while the consumers still hold the buffer (in run 11's
+#: profile the split rows' producer still waited on its loads, 1.8 of 8.4 cycles). The registers are those of
+#: the two chunks it holds anyway. Built after run 11, not yet run.
 #: Run 7 (H200, docs/performance.md): ``PRODUCER_WIDENS`` passed hopper_check.py's 37 cases and was 1.12 x the
 #: consumers widening their own copies on the FP8 row (266.9 vs 238.6 TFLOP/s): on by default.
 #: ``WIDE_PRODUCER`` passed them too and was 0.97 x (355.1 vs 365.8 on the split prefix-cached row): off, but for
@@ -289,7 +294,8 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: forced; ``TURNS`` was 3-10% slower on NHD; ``OVERLAP`` gave NaN on NHD then (P was overwritten while its
 #: P V ran; fixed since, not yet re-measured).
 SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=False, VT_COPIES=False, WIDE_PRODUCER=False,
-                SHARED_V=False, PRODUCER_WIDENS=True, KEY_LOADS=False, VALUES_FIRST=False, WIDE_KEY_CHUNKS=False)
+                SHARED_V=False, PRODUCER_WIDENS=True, KEY_LOADS=False, VALUES_FIRST=False, WIDE_KEY_CHUNKS=False,
+                EARLY_KEYS=False)
 #: Registers per thread of the second consumer partition under ``PINGPONG`` (the first, the kernel's default
 #: partition, keeps what the others leave).
 CONSUMER_REGS = 240
@@ -358,6 +364,11 @@ def resolve_schedule(shape: ProblemShape, config: TileConfig, schedule: Optional
     # registers also hold the widening).
     schedule["WIDE_KEY_CHUNKS"] = (bool(schedule["WIDE_KEY_CHUNKS"]) and schedule["KEY_LOADS"] and not fp8
                                    and config.block_n > WIDE_KEY_CHUNK)
+    # ... and loaded before their buffer is free, where the tile is one or two chunks (the registers the loads
+    # hold anyway); not FP8's, which the producer widens through its own ring.
+    chunk = WIDE_KEY_CHUNK if schedule["WIDE_KEY_CHUNKS"] else KEY_CHUNK
+    schedule["EARLY_KEYS"] = (bool(schedule["EARLY_KEYS"]) and schedule["KEY_LOADS"] and not fp8
+                              and config.block_n <= 2 * chunk)
     return schedule
 
 
