@@ -366,10 +366,16 @@ def resolve_schedule(shape: ProblemShape, config: TileConfig, schedule: Optional
                                    and config.block_n > WIDE_KEY_CHUNK)
     # ... and loaded before their buffer is free, where the tile is one or two chunks (the registers the loads
     # hold anyway); not FP8's, which the producer widens through its own ring.
-    chunk = WIDE_KEY_CHUNK if schedule["WIDE_KEY_CHUNKS"] else KEY_CHUNK
     schedule["EARLY_KEYS"] = (bool(schedule["EARLY_KEYS"]) and schedule["KEY_LOADS"] and not fp8
-                              and config.block_n <= 2 * chunk)
+                              and config.block_n <= 2 * key_chunk(schedule))
     return schedule
+
+
+def key_chunk(schedule: dict) -> int:
+    """Keys per chunk of the producer's key loads under a resolved ``schedule``: 0 without ``KEY_LOADS``."""
+    if not schedule["KEY_LOADS"]:
+        return 0
+    return WIDE_KEY_CHUNK if schedule["WIDE_KEY_CHUNKS"] else KEY_CHUNK
 
 
 def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape,
@@ -401,8 +407,8 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
     wide = schedule["WIDE_PRODUCER"]
     # A producer warpgroup that holds tiles in registers: widening FP8 tiles, or loading split keys.
     holds_tiles = schedule["PRODUCER_WIDENS"] or schedule["KEY_LOADS"]
+    chunk = key_chunk(schedule)
     wide_chunks = schedule.pop("WIDE_KEY_CHUNKS")  # the kernel takes the chunk's keys as KEY_LOADS
-    key_chunk = (WIDE_KEY_CHUNK if wide_chunks else KEY_CHUNK) if schedule["KEY_LOADS"] else 0
     constexprs = dict(
         HEAD_SIZE=PADDED_HEADS.get(D, D), HEAD_DIM=D, PAGE=p.cache.block_size, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
@@ -411,7 +417,7 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
         WINDOW=opts.sliding_window is not None, SOFTCAP=softcap > 0, ALIBI=opts.alibi_slopes is not None,
         SINKS=opts.sinks is not None, SKIP_DECODE=opts.skip_decode, NEW_KV_IN_CACHE=p.k is None,
         OUT_SCALE=opts.fp8_out_scale is not None, OUT_SCALE_PTR=out_from_ptr, OUT_MAX=FP8_E4M3_MAX,
-        **{**schedule, "KEY_LOADS": key_chunk},
+        **{**schedule, "KEY_LOADS": chunk},
         SPLIT=split, X=key.shape[4] if split else 8,
         FP8_CACHE=fp8, K_SCALE_PTR=k_from_ptr, V_SCALE_PTR=v_from_ptr,
         # The producer warp of the split layout holds a tile of 16-byte copy addresses.
