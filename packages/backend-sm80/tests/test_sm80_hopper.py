@@ -478,7 +478,7 @@ def test_the_policy_reads_split_16_bit_caches_at_head_sizes_128_and_256_with_key
             assert (flags["KEY_LOADS"], flags["VALUES_FIRST"]) == (taken, taken), (layout, head_size, cache)
             assert bool(hopper_schedule(s)) == taken
             kernel, why = Sm80Backend().kernel_choice(s, H200)
-            assert why.endswith("; schedule KEY_LOADS+VALUES_FIRST") == taken, why
+            assert why.endswith("; schedule KEY_LOADS+VALUES_FIRST" + "+EARLY_KEYS" * (head_size == 128)) == taken, why
             assert kernel == "hopper" or not taken
     split = shape(layout="split")
     config = hopper_config(split)
@@ -499,7 +499,7 @@ def test_the_policy_reads_128_key_split_tiles_with_64_key_chunks_at_head_sizes_6
     from pagedprefill_sm80.hopper.launch import resolve_schedule
     from pagedprefill_sm80.policy import hopper_schedule
 
-    names = ("KEY_LOADS", "VALUES_FIRST", "WIDE_KEY_CHUNKS")
+    names = ("KEY_LOADS", "VALUES_FIRST", "WIDE_KEY_CHUNKS", "EARLY_KEYS")
     for head_size in (64, 96, 128, 256):
         for layout, cache in (("split", "auto"), ("split", "fp8_e4m3"), ("nhd", "auto")):
             if cache != "auto" and head_size != 128:
@@ -510,7 +510,7 @@ def test_the_policy_reads_128_key_split_tiles_with_64_key_chunks_at_head_sizes_6
             config = Sm80Backend().tile_config(s, H200)
             flags = resolve_schedule(s, config)
             split16 = layout == "split" and cache == "auto"
-            expected = (split16, split16, split16 and head_size <= 128)
+            expected = (split16, split16, split16 and head_size <= 128, split16 and head_size <= 128)
             assert tuple(flags[n] for n in names) == expected, (layout, head_size, cache, config)
             assert tuple(bool(hopper_schedule(s, config.block_n).get(n)) for n in names) == expected
             why = Sm80Backend().kernel_choice(s, H200)[1]
@@ -613,7 +613,31 @@ def test_early_keys_apply_where_the_producer_loads_a_tile_in_one_or_two_chunks()
     fp8 = shape(layout="split", kv_cache_dtype="fp8_e4m3")
     assert not resolve_schedule(fp8, hopper_config(fp8), dict(early, KEY_LOADS=True))["EARLY_KEYS"]
     assert not resolve_schedule(shape(), hopper_config(shape()), early)["EARLY_KEYS"]
-    assert not resolve_schedule(split, n128)["EARLY_KEYS"]  # off unless asked for
+    assert not resolve_schedule(split, n128, dict(EARLY_KEYS=False))["EARLY_KEYS"]  # a caller turns it off
+
+
+def test_the_policy_loads_split_keys_early_up_to_head_size_128():
+    """Run 12: the split layout's key loads of a 16-bit cache are issued before their buffer is free at head
+    sizes 64, 96 and 128, on long (128-key) and short (64-key) tiles; not at head size 256 (0.985 x), not with
+    an FP8 cache or in the NHD layout; the environment turns it off."""
+    from pagedprefill_sm80.hopper.launch import resolve_schedule
+    from pagedprefill_sm80.policy import hopper_schedule
+
+    for head_size in (64, 96, 128, 256):
+        for workload in ("short", "long"):
+            changes = dict(num_tokens=4096, num_seqs=2, max_query_len=2048) if workload == "long" else {}
+            for layout, cache in (("split", "auto"), ("split", "fp8_e4m3"), ("nhd", "auto")):
+                if cache != "auto" and head_size != 128:
+                    continue
+                s = dataclasses.replace(shape(layout=layout, head_size=head_size, kv_cache_dtype=cache), **changes)
+                assert s.workload == workload
+                config = Sm80Backend().tile_config(s, H200)
+                early = resolve_schedule(s, config)["EARLY_KEYS"]
+                expected = layout == "split" and cache == "auto" and head_size <= 128 and config.block_n > 32 \
+                    and (head_size == 128 or config.block_n > 64)
+                assert early == expected, (head_size, workload, layout, cache, config)
+                assert bool(hopper_schedule(s, config.block_n).get("EARLY_KEYS")) == expected
+                assert ("EARLY_KEYS" in Sm80Backend().kernel_choice(s, H200)[1]) == expected
 
 
 def test_early_keys_compile_for_sm90_without_spills():

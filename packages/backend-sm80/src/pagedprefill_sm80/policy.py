@@ -63,6 +63,9 @@ KEY_LOAD_HEAD_SIZES = (128, 256)
 #: ... and at which it is on tiles of more than 64 keys only, where the loads take 64 keys per chunk
 #: (``WIDE_KEY_CHUNKS``): 32 keys per chunk were slower than the copies at these head sizes.
 WIDE_KEY_LOAD_HEAD_SIZES = (64, 96)
+#: Head sizes at which those key loads are issued before their tile's buffer is free (``EARLY_KEYS``): at head
+#: size 256 (32-key tiles) they measured 0.985 x (run 12).
+EARLY_KEY_HEAD_SIZES = (64, 96, 128)
 
 
 def hopper_schedule(shape: ProblemShape, block_n: Optional[int] = None) -> dict:
@@ -81,6 +84,10 @@ def hopper_schedule(shape: ProblemShape, block_n: Optional[int] = None) -> dict:
     * head sizes 64 and 96: 32 keys per chunk were 0.89 and 0.98 x the copies (run 10), 64 keys per chunk
       1.12 and 1.18 x (run 11), so they take the loads on tiles of more than 64 keys only.
 
+    Up to head size 128 the loads are issued before the tile's buffer is free (``EARLY_KEYS``): 1.03-1.09 x on
+    the split rows of run 12 (prefix-cached 460 vs 441, chunked 482 vs 467, many short 372 vs 346, D64 350 vs
+    321, D96 380 vs 368, fp16 446 vs 429), level on the long prefill and the window row.
+
     Not with an FP8 cache, where the copies were faster (0.82 x, run 10)."""
     if shape.layout != "split" or shape.kv_cache_dtype != "auto":
         return {}
@@ -88,7 +95,12 @@ def hopper_schedule(shape: ProblemShape, block_n: Optional[int] = None) -> dict:
 
     wide_chunks = (hopper_config(shape).block_n if block_n is None else block_n) > WIDE_KEY_CHUNK
     if shape.head_size in KEY_LOAD_HEAD_SIZES or (wide_chunks and shape.head_size in WIDE_KEY_LOAD_HEAD_SIZES):
-        return dict(KEY_LOADS=True, VALUES_FIRST=True, **({"WIDE_KEY_CHUNKS": True} if wide_chunks else {}))
+        flags = dict(KEY_LOADS=True, VALUES_FIRST=True)
+        if wide_chunks:
+            flags["WIDE_KEY_CHUNKS"] = True
+        if shape.head_size in EARLY_KEY_HEAD_SIZES:
+            flags["EARLY_KEYS"] = True
+        return flags
     return {}
 
 
