@@ -441,7 +441,7 @@ def test_key_loads_apply_to_split_tiles_of_at_least_32_keys_with_a_warpgroups_re
     )
 
     split = shape(layout="split")
-    config = hopper_config(split)
+    config = hopper_config(split).with_(block_n=64, num_stages=3)  # one 32-key chunk's registers
     asked = dict(KEY_LOADS=True)
     assert resolve_schedule(split, config, asked)["KEY_LOADS"]
     assert not resolve_schedule(shape(), hopper_config(shape()), asked)["KEY_LOADS"]
@@ -478,7 +478,8 @@ def test_the_policy_reads_split_16_bit_caches_at_head_sizes_128_and_256_with_key
             assert (flags["KEY_LOADS"], flags["VALUES_FIRST"]) == (taken, taken), (layout, head_size, cache)
             assert bool(hopper_schedule(s)) == taken
             kernel, why = Sm80Backend().kernel_choice(s, H200)
-            assert why.endswith("; schedule KEY_LOADS+VALUES_FIRST" + "+EARLY_KEYS" * (head_size == 128)) == taken, why
+            flags_named = "KEY_LOADS+VALUES_FIRST" + "+WIDE_KEY_CHUNKS+EARLY_KEYS" * (head_size == 128)
+            assert why.endswith(f"; schedule {flags_named}") == taken, why
             assert kernel == "hopper" or not taken
     split = shape(layout="split")
     config = hopper_config(split)
@@ -519,6 +520,24 @@ def test_the_policy_reads_128_key_split_tiles_with_64_key_chunks_at_head_sizes_6
     # A tile of 64 keys at head size 64 (a caller's, or a table's) gets neither the loads nor their chunks.
     s64 = dataclasses.replace(shape(layout="split", head_size=64), num_tokens=4096, num_seqs=2, max_query_len=2048)
     assert hopper_schedule(s64, 64) == {} and hopper_schedule(s64)["WIDE_KEY_CHUNKS"]
+
+
+def test_split_short_calls_take_128_key_tiles_at_head_size_128():
+    """Run 12: the split layout's short calls of a 16-bit cache at head size 128 take 128 keys in a 2-deep ring,
+    with 64-key chunks of loads issued early (379.8 vs 367.6 TFLOP/s on 64-key tiles); head sizes 64 and 96 and
+    an FP8 cache keep their 64-key tiles; the tile fits an sm90 GPU."""
+    from pagedprefill_sm80.hopper.launch import resolve_schedule, shape_unfit_reason
+
+    for head_size, cache, expected in ((128, "auto", (128, 2)), (64, "auto", (64, 3)), (96, "auto", (64, 3)),
+                                       (128, "fp8_e4m3", (64, 2))):
+        s = shape(layout="split", head_size=head_size, kv_cache_dtype=cache)
+        assert s.workload == "short"
+        config = Sm80Backend().tile_config(s, H200)
+        assert (config.kernel, config.block_n, config.num_stages) == ("hopper", *expected), (head_size, cache)
+        assert shape_unfit_reason(s, config, H200.max_shared_mem) is None
+    s = shape(layout="split")
+    flags = resolve_schedule(s, Sm80Backend().tile_config(s, H200))
+    assert all(flags[n] for n in ("KEY_LOADS", "VALUES_FIRST", "WIDE_KEY_CHUNKS", "EARLY_KEYS")), flags
 
 
 def test_head_size_64_nhd_long_calls_take_256_keys_in_3_stages():

@@ -63,6 +63,8 @@ KEY_LOAD_HEAD_SIZES = (128, 256)
 #: ... and at which it is on tiles of more than 64 keys only, where the loads take 64 keys per chunk
 #: (``WIDE_KEY_CHUNKS``): 32 keys per chunk were slower than the copies at these head sizes.
 WIDE_KEY_LOAD_HEAD_SIZES = (64, 96)
+#: Head sizes at which the split layout's short calls of a 16-bit cache take 128-key tiles, like its long ones.
+WIDE_SHORT_SPLIT_HEAD_SIZES = (128,)
 #: Head sizes at which those key loads are issued before their tile's buffer is free (``EARLY_KEYS``): at head
 #: size 256 (32-key tiles) they measured 0.985 x (run 12).
 EARLY_KEY_HEAD_SIZES = (64, 96, 128)
@@ -144,7 +146,8 @@ def hopper_config(shape: ProblemShape) -> TileConfig:
       warpgroup MMA (1.07 x over 128 keys on the prefix-cached row in run 11; 2 stages 1.05 x);
     * the split layout's short calls: 64 keys in a 3-deep ring (128 keys were 3.5% slower on its many-short row
       in run 5; its long calls were level with 128 keys on cached rows and 7.8% faster on the long prefill in
-      run 6);
+      run 6); at head size 128 with a 16-bit cache, whose producer loads 128-key tiles in 64-key chunks, 128
+      keys in a 2-deep ring (379.8 vs 367.6 TFLOP/s on the many-short row in run 12, both with ``EARLY_KEYS``);
     * an FP8 cache: 128 keys in a 2-deep ring, like the input dtype (1.14 x over 64 keys in run 8; 64 keys with
       a third stage measured level with two in run 7);
     * head size 256: 64 keys in a 2-deep ring (the accumulator and K/V tiles are twice as large); 32 keys in
@@ -160,7 +163,8 @@ def hopper_config(shape: ProblemShape) -> TileConfig:
     elif shape.head_size_padded <= 64 and shape.layout == "nhd" and shape.workload == "long" \
             and shape.kv_cache_dtype == "auto":
         block_n, stages = 256, 3
-    elif shape.layout == "nhd" or shape.workload == "long":  # an FP8 cache is read in the NHD layout only
+    elif shape.layout == "nhd" or shape.workload == "long" or shape.head_size in WIDE_SHORT_SPLIT_HEAD_SIZES:
+        # (an FP8 cache is read in the NHD layout only)
         block_n, stages = 128, 2
     else:
         block_n, stages = 64, 3
