@@ -120,13 +120,17 @@ VARIANTS = [
     # choice on 128-key tiles of a 16-bit cache since run 11.
     ("pingpong-key-loads-wide-chunks", {},
      dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=True, VALUES_FIRST=True, WIDE_KEY_CHUNKS=True)),
-    # ... with each cached tile's keys loaded before its buffer is free (the policy's key loads otherwise).
+    # ... with each cached tile's keys loaded before its buffer is free (the policy's key loads otherwise); the
+    # policy's choice at head sizes 64-128 since run 12 (``pingpong`` there), and this variant's at head size 256.
     ("pingpong-early-keys", {}, dict(HEAVY_FIRST=True, PINGPONG=True, EARLY_KEYS=True)),
+    # ... and issued once the buffer is free, as before run 12.
+    ("pingpong-late-keys", {}, dict(HEAVY_FIRST=True, PINGPONG=True, EARLY_KEYS=False)),
     # FP8 caches widened once by a producer warpgroup (the consumers' copies freed: room for 3 stages).
     ("pingpong-producer-widens", {}, dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=True)),
     ("pingpong-producer-widens-s3", dict(num_stages=3), dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=True)),
     # Each consumer widening its own copy of an FP8 tile (the default before run 7).
     ("pingpong-consumers-widen", {}, dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=False)),
+    # The next tile's Q K^T issued before this tile's softmax: 0.58-0.93 x the policy's schedule in run 12.
     ("pingpong-overlap", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=True)),
     ("pingpong-overlap-turns", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=True, OVERLAP=True)),
     # 128 keys per step in a 2-deep ring: the policy's tile for NHD and long prefills up to head size 128 since

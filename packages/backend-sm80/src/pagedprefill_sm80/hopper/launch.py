@@ -279,7 +279,9 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: the key loads) loads each cached tile's keys into the producer's registers before it waits for the tile's
 #: buffer, instead of after: their latency then passes while the consumers still hold the buffer (in run 11's
 #: profile the split rows' producer still waited on its loads, 1.8 of 8.4 cycles). The registers are those of
-#: the two chunks it holds anyway. Built after run 11, not yet run.
+#: the two chunks it holds anyway. Run 12 (H200): it passed ``hopper_check.py`` (44 of 44) and sm80's suite, and
+#: was 1.03-1.09 x on the split rows of head sizes 64-128 and 0.985 x at head size 256; the policy sets it at
+#: the former (:func:`pagedprefill_sm80.policy.hopper_schedule`).
 #: Run 7 (H200, docs/performance.md): ``PRODUCER_WIDENS`` passed hopper_check.py's 37 cases and was 1.12 x the
 #: consumers widening their own copies on the FP8 row (266.9 vs 238.6 TFLOP/s): on by default.
 #: ``WIDE_PRODUCER`` passed them too and was 0.97 x (355.1 vs 365.8 on the split prefix-cached row): off, but for
@@ -292,7 +294,8 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: and 1.24-1.49 x the portable kernel, the fastest schedule on every NHD row and within 1.3% of ``TURNS`` on
 #: the split rows, and passed the 29 checks of hopper_check.py and sm80's conformance suite with the kernel
 #: forced; ``TURNS`` was 3-10% slower on NHD; ``OVERLAP`` gave NaN on NHD then (P was overwritten while its
-#: P V ran; fixed since, not yet re-measured).
+#: P V ran; fixed since). Run 12: ``OVERLAP`` passed ``hopper_check.py`` (44 of 44) and ran every row it changes
+#: at 0.58-0.93 x the policy's schedule.
 SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=False, VT_COPIES=False, WIDE_PRODUCER=False,
                 SHARED_V=False, PRODUCER_WIDENS=True, KEY_LOADS=False, VALUES_FIRST=False, WIDE_KEY_CHUNKS=False,
                 EARLY_KEYS=False)
