@@ -295,7 +295,7 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: the split rows, and passed the 29 checks of hopper_check.py and sm80's conformance suite with the kernel
 #: forced; ``TURNS`` was 3-10% slower on NHD; ``OVERLAP`` gave NaN on NHD then (P was overwritten while its
 #: P V ran; fixed since). Run 12: ``OVERLAP`` passed ``hopper_check.py`` (44 of 44) and ran every row it changes
-#: at 0.58-0.93 x the policy's schedule.
+#: at 0.58-0.93 x the policy's schedule; on the split layout's 128-key tiles it spills (32 bytes; 320 with ``TURNS``).
 SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=False, VT_COPIES=False, WIDE_PRODUCER=False,
                 SHARED_V=False, PRODUCER_WIDENS=True, KEY_LOADS=False, VALUES_FIRST=False, WIDE_KEY_CHUNKS=False,
                 EARLY_KEYS=False)
