@@ -708,6 +708,69 @@ def ptx_code(compiled) -> list:
     return [line for line in code.splitlines() if not line.strip().startswith((".loc", ".file", "//"))]
 
 
+def test_f32_widening_applies_where_the_producer_widens_fp8_tiles_to_bfloat16():
+    """``F32_WIDENING`` needs the producer's widening of an FP8 cache (both layouts) and a bfloat16 call: not
+    float16 (one packed conversion from FP8 already), a 16-bit cache, or the consumers' own widening; off unless
+    asked for, and in the launch's constexprs."""
+    from pagedprefill_sm80.hopper.launch import resolve_schedule
+
+    f32 = dict(F32_WIDENING=True)
+    for layout in ("nhd", "split"):
+        fp8 = shape(layout=layout, kv_cache_dtype="fp8_e4m3")
+        config = hopper_config(fp8)
+        assert resolve_schedule(fp8, config, f32)["F32_WIDENING"], layout
+        assert not resolve_schedule(fp8, config)["F32_WIDENING"], layout  # off unless asked for
+        half = shape(layout=layout, kv_cache_dtype="fp8_e4m3", dtype=torch.float16)
+        assert not resolve_schedule(half, hopper_config(half), f32)["F32_WIDENING"], layout
+        assert not resolve_schedule(shape(layout=layout), hopper_config(shape(layout=layout)), f32)["F32_WIDENING"]
+    fp8 = shape(kv_cache_dtype="fp8_e4m3")
+    assert not resolve_schedule(fp8, hopper_config(fp8), dict(f32, PRODUCER_WIDENS=False))["F32_WIDENING"]
+    problem = make_problem(SPEC.replace(kv_cache_dtype="fp8_e4m3"))
+    assert kernel_call(problem, hopper_config(fp8), fp8, f32).constexprs["F32_WIDENING"]
+    assert not kernel_call(problem, hopper_config(fp8), fp8).constexprs["F32_WIDENING"]
+
+
+def test_f32_widening_compiles_for_sm90_without_scalar_conversions():
+    """FP8 tiles widened through float32, on the policy's FP8 tiles of both layouts: no spills, code that differs
+    from the direct widening, and (where the disassembler ships with Triton) no scalar float16-to-bfloat16
+    conversion left, where the direct widening has one per element."""
+    code = ("import json, test_sm80_hopper as t; print('F32', json.dumps(t.compile_f32_widening()))")
+    proc = run_child(code)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    summaries = __import__("json").loads(next(x for x in proc.stdout.splitlines() if x.startswith("F32 "))[4:])
+    assert sorted(summaries) == ["nhd", "split"]
+    for name, summary in summaries.items():
+        assert summary["spill_bytes"] in (0, None) and summary["wgmma"] > 0, (name, summary)
+        assert summary["differs"], name
+        if summary["scalar_conversions"] is not None:
+            assert summary["scalar_conversions"] == 0 < summary["direct_scalar_conversions"], (name, summary)
+
+
+def compile_f32_widening() -> dict:
+    """Codegen summaries of FP8 calls under ``F32_WIDENING``, with whether the PTX differs from the direct
+    widening and each one's count of scalar float16-to-bfloat16 conversions in the SASS (None without the
+    disassembler)."""
+    from pagedprefill.triton.codegen import compile_call, sass, summarize
+    from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
+
+    def scalar_conversions(compiled):
+        text = sass(compiled)
+        return None if text is None else text.count("F2F.BF16.F16")
+
+    out = {}
+    for layout in ("nhd", "split"):
+        problem = make_problem(SPEC.replace(layout=layout, kv_cache_dtype="fp8_e4m3",
+                                            query_lens=(400, 300), context_lens=(500, 0)))
+        s = problem_shape(problem)
+        config = hopper_config(s)
+        f32 = compile_call(hopper_prefill_kernel, kernel_call(problem, config, s, dict(F32_WIDENING=True)), 90)
+        direct = compile_call(hopper_prefill_kernel, kernel_call(problem, config, s, dict(F32_WIDENING=False)), 90)
+        out[layout] = {**summarize(f32, 90).to_dict(), "differs": ptx_code(f32) != ptx_code(direct),
+                       "scalar_conversions": scalar_conversions(f32),
+                       "direct_scalar_conversions": scalar_conversions(direct)}
+    return out
+
+
 def test_256_key_tiles_at_head_size_64_compile_for_sm90_without_spills():
     """Candidates for head size 64 (``hopper_check.py``'s ``pingpong-n256-*`` variants): 256 keys per step in 3
     stages on NHD, and in 2 stages on the split layout with a producer warpgroup (one producer warp spills the

@@ -340,7 +340,7 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
               HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               SPLIT: gl.constexpr, X: gl.constexpr, HEAD_DIM: gl.constexpr, VT_COPIES: gl.constexpr,
               WARPS: gl.constexpr, PRODUCER_WIDENS: gl.constexpr, KEY_LOADS: gl.constexpr,
-              VALUES_FIRST: gl.constexpr, EARLY_KEYS: gl.constexpr):
+              VALUES_FIRST: gl.constexpr, EARLY_KEYS: gl.constexpr, F32_WIDENING: gl.constexpr):
     """Fill the ring: for each key tile, wait until its buffer is free, then issue the copies of K and V and
     let the ``ready`` barrier count their bytes (TMA) and their completion (asynchronous copies).
 
@@ -357,7 +357,8 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
 
     ``PRODUCER_WIDENS`` (an FP8 cache): the cached tiles land in the FP8 ring (``k8_smem``/``v8_smem``, counted by
     ``ready8``; NHD by TMA, the split layout by 16-byte copies, its values as V^T), up to ``STAGES`` tiles
-    ahead; the producer's warps widen each into the 16-bit ring once, for both consumers, then signal ``ready``.
+    ahead; the producer's warps widen each into the 16-bit ring once, for both consumers, then signal ``ready``
+    (``F32_WIDENING``: through float32, see :func:`_widen`).
     """
     gl.static_assert(not EARLY_KEYS or (SPLIT and KEY_LOADS > 0 and not PRODUCER_WIDENS and BLOCK_N <= 2 * KEY_LOADS),
                      "EARLY_KEYS: the split layout's 16-bit key loads, a tile of one or two chunks")
@@ -396,11 +397,11 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
         if it < cache_tiles:
             if PRODUCER_WIDENS:
                 mbarrier.wait(ready8.index(s), (it // STAGES) & 1)
-                _widen(k8_smem.index(s), k_dst, HEAD_SIZE, WARPS)
+                _widen(k8_smem.index(s), k_dst, HEAD_SIZE, WARPS, F32_WIDENING)
                 if SPLIT:  # V^T, [D, BLOCK_N]
-                    _widen(v8_smem.index(s), vt_smem.index(s), BLOCK_N, WARPS)
+                    _widen(v8_smem.index(s), vt_smem.index(s), BLOCK_N, WARPS, F32_WIDENING)
                 else:
-                    _widen(v8_smem.index(s), v_smem.index(s), HEAD_SIZE, WARPS)
+                    _widen(v8_smem.index(s), v_smem.index(s), HEAD_SIZE, WARPS, F32_WIDENING)
                 # The stores are ordered before the consumers' MMA reads, and every warp is done with the FP8
                 # slot before the next tile's copies overwrite it.
                 fence_async_shared()
@@ -441,13 +442,21 @@ def _wait_tile(ready, it, from_cache, WRITTEN: gl.constexpr, STAGES: gl.constexp
 
 
 @gluon.jit
-def _widen(src, dst, COLS: gl.constexpr, NUM_WARPS: gl.constexpr):
+def _widen(src, dst, COLS: gl.constexpr, NUM_WARPS: gl.constexpr, VIA_F32: gl.constexpr):
     """Copy an FP8 key or value tile ``src`` (``COLS`` columns: the head size, or the keys of a V^T tile) into
     ``dst`` in the MMA's 16-bit type, exactly (every FP8 value is a bfloat16 and a float16 value; the cache's
-    scales are folded into the logits and the output instead). Each thread moves 16 bytes of FP8 at a time."""
+    scales are folded into the logits and the output instead). Each thread moves 16 bytes of FP8 at a time.
+
+    ``VIA_F32`` (a bfloat16 ``dst``): through float16 and float32, every step exact. The direct conversion
+    compiles for sm90 to a packed FP8-to-float16 conversion and then one scalar float16-to-bfloat16 conversion
+    (``F2F``) per element, which issues on the pipe the softmax's exponentials take; this way the second step is
+    two packed float16-to-float32 additions and one packed float32-to-bfloat16 conversion per pair of elements."""
     LANES: gl.constexpr = COLS // 16
     layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // LANES, LANES], [NUM_WARPS, 1], [1, 0])
-    dst.store(src.load(layout).to(dst.dtype))
+    tile = src.load(layout)
+    if VIA_F32:
+        tile = tile.to(gl.float16).to(gl.float32)
+    dst.store(tile.to(dst.dtype))
 
 
 @gluon.jit
@@ -624,8 +633,8 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
                 if from_cache:
                     # Widened into this consumer's own buffers (the last tile's MMAs on them are complete: they
                     # are synchronous), then the FP8 buffer goes back to the producer.
-                    _widen(k8_smem.index(s), kc_smem, HEAD_SIZE, NUM_WARPS)
-                    _widen(v8_smem.index(s), vc_smem, HEAD_SIZE, NUM_WARPS)
+                    _widen(k8_smem.index(s), kc_smem, HEAD_SIZE, NUM_WARPS, False)
+                    _widen(v8_smem.index(s), vc_smem, HEAD_SIZE, NUM_WARPS, False)
                     fence_async_shared()
                     gl.thread_barrier()
                     mbarrier.arrive(empty.index(s), count=1)
@@ -701,8 +710,8 @@ def hopper_prefill_kernel(
     SPLIT: gl.constexpr, X: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr, OVERLAP: gl.constexpr,
     FP8_CACHE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, HEAD_DIM: gl.constexpr,
     VT_COPIES: gl.constexpr, WIDE_PRODUCER: gl.constexpr, SHARED_V: gl.constexpr, PRODUCER_WIDENS: gl.constexpr,
-    KEY_LOADS: gl.constexpr, VALUES_FIRST: gl.constexpr, EARLY_KEYS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
+    KEY_LOADS: gl.constexpr, VALUES_FIRST: gl.constexpr, EARLY_KEYS: gl.constexpr, F32_WIDENING: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Prefix-prefill attention of one query tile on sm90 (see the module docstring).
 
@@ -727,7 +736,8 @@ def hopper_prefill_kernel(
     instead of each consumer into its own copy. ``KEY_LOADS`` (split layout; 0 for off): the producer warpgroup
     reads the cached keys with loads and stores instead of asynchronous copies, ``KEY_LOADS`` keys (32 or 64) per
     chunk; ``VALUES_FIRST`` (with it) issues each cached tile's value boxes before loading its keys;
-    ``EARLY_KEYS`` (with it) loads each cached tile's keys before waiting for its buffer.
+    ``EARLY_KEYS`` (with it) loads each cached tile's keys before waiting for its buffer. ``F32_WIDENING``
+    (with ``PRODUCER_WIDENS``, a bfloat16 call) widens FP8 tiles through float32 (:func:`_widen`).
     """
     TOKENS_PER_TILE: gl.constexpr = BLOCK_M // HEADS_PER_TILE
     tile = gl.program_id(0)
@@ -860,7 +870,7 @@ def hopper_prefill_kernel(
                          TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS)),
             (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk,
                          HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
-                         PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES, EARLY_KEYS)),
+                         PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES, EARLY_KEYS, F32_WIDENING)),
         ], [LAUNCH_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -871,5 +881,5 @@ def hopper_prefill_kernel(
                          False, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS)),
             (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk,
                          HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
-                         PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES, EARLY_KEYS)),
+                         PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES, EARLY_KEYS, F32_WIDENING)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])

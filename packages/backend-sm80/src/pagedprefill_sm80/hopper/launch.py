@@ -282,6 +282,11 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: the two chunks it holds anyway. Run 12 (H200): it passed ``hopper_check.py`` (44 of 44) and sm80's suite, and
 #: was 1.03-1.09 x on the split rows of head sizes 64-128 and 0.985 x at head size 256; the policy sets it at
 #: the former (:func:`pagedprefill_sm80.policy.hopper_schedule`).
+#: ``F32_WIDENING`` (with ``PRODUCER_WIDENS``, a bfloat16 call) widens FP8 tiles through float32: the direct
+#: FP8-to-bfloat16 conversion compiles for sm90 to one scalar float16-to-bfloat16 conversion per element (256 per
+#: producer thread per 128-key tile at head size 128), on the pipe the consumers' exponentials take; through
+#: float32 they become packed float32 additions and conversions (the same count, no scalar conversion left).
+#: Bit-identical results (every step is exact). Built after run 12, not yet run.
 #: Run 7 (H200, docs/performance.md): ``PRODUCER_WIDENS`` passed hopper_check.py's 37 cases and was 1.12 x the
 #: consumers widening their own copies on the FP8 row (266.9 vs 238.6 TFLOP/s): on by default.
 #: ``WIDE_PRODUCER`` passed them too and was 0.97 x (355.1 vs 365.8 on the split prefix-cached row): off, but for
@@ -298,7 +303,7 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: at 0.58-0.93 x the policy's schedule; on the split layout's 128-key tiles it spills (32 bytes; 320 with ``TURNS``).
 SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=False, VT_COPIES=False, WIDE_PRODUCER=False,
                 SHARED_V=False, PRODUCER_WIDENS=True, KEY_LOADS=False, VALUES_FIRST=False, WIDE_KEY_CHUNKS=False,
-                EARLY_KEYS=False)
+                EARLY_KEYS=False, F32_WIDENING=False)
 #: Registers per thread of the second consumer partition under ``PINGPONG`` (the first, the kernel's default
 #: partition, keeps what the others leave).
 CONSUMER_REGS = 240
@@ -371,6 +376,10 @@ def resolve_schedule(shape: ProblemShape, config: TileConfig, schedule: Optional
     # hold anyway); not FP8's, which the producer widens through its own ring.
     schedule["EARLY_KEYS"] = (bool(schedule["EARLY_KEYS"]) and schedule["KEY_LOADS"] and not fp8
                               and config.block_n <= 2 * key_chunk(schedule))
+    # The producer's widening of FP8 tiles through float32, where it widens them to bfloat16 (float16 is one
+    # packed conversion from FP8 already).
+    schedule["F32_WIDENING"] = (bool(schedule["F32_WIDENING"]) and schedule["PRODUCER_WIDENS"]
+                                and shape.dtype == torch.bfloat16)
     return schedule
 
 
