@@ -21,21 +21,55 @@ def pytest_configure(config):
     config.addinivalue_line("filterwarnings", TRITON_INTERPRETER_WARNING)
 
 
+@pytest.hookimpl(trylast=True)  # after ``-k``/``-m`` deselection: the runs are cut from what is left
 def pytest_collection_modifyitems(config, items):
     """The conformance suites' random sweep parts run first. Each part compiles kernels for dozens of random
-    shapes and runs minutes on a GPU, far longer than any other test; queued last (their place in the class),
-    they would start when the other tests are done, one after another on the same worker under pytest-xdist,
-    and the run would end long after its other workers went idle. The order is otherwise kept."""
+    shapes and runs minutes on a GPU, far longer than most other tests; queued last (their place in the class),
+    they would start when the other tests are done, one after another on the same worker, and the run would end
+    long after its other workers went idle.
+
+    Under pytest-xdist each worker starts on a contiguous run of the collection (``--dist worksteal`` splits it
+    evenly, ``--dist load`` in smaller chunks), so the parts go to the heads of those runs, one per worker
+    (:func:`spread_first`); alone, they simply come first. The order is otherwise kept."""
     from .conformance import ConformanceSuite
 
-    def sweep_first(item) -> tuple[int, int]:
+    def is_sweep_part(item) -> bool:
         cls = getattr(item, "cls", None)
-        if (cls is not None and issubclass(cls, ConformanceSuite)
-                and getattr(item, "originalname", "") == "test_random_sweep"):
-            return 0, item.callspec.params["part"]  # part 0 of every suite, then part 1, ...: mixed on workers
-        return 1, 0
+        return (cls is not None and issubclass(cls, ConformanceSuite)
+                and getattr(item, "originalname", "") == "test_random_sweep")
 
-    items.sort(key=sweep_first)
+    # Part 0 of every suite, then part 1, ...: mixed on workers.
+    parts = sorted((item for item in items if is_sweep_part(item)), key=lambda item: item.callspec.params["part"])
+    rest = [item for item in items if not is_sweep_part(item)]
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
+    dist = getattr(config.option, "dist", "no")
+    items[:] = spread_first(parts, rest, workers, dist)
+
+
+def spread_first(first: list, rest: list, workers: int, dist: str = "worksteal") -> list:
+    """``first`` and ``rest`` in one list where ``workers`` xdist workers, handed their initial runs of it by the
+    ``dist`` mode, each start on one item of ``first`` (several where there are more of those than workers).
+
+    Both modes hand out contiguous runs in worker order: ``worksteal`` the whole collection evenly (each idle
+    worker gets ``pending // workers_left``), ``load`` runs of ``max(n // workers // 4, 2)`` items (one item per
+    worker in turn when there are fewer than ``2 * workers``). A single process takes ``first`` first."""
+    n = len(first) + len(rest)
+    if workers <= 1 or not first or (dist == "load" and n < 2 * workers):
+        return first + rest  # (round robin: the first items go to different workers)
+    if dist == "load":
+        sizes = [max(n // workers // 4, 2)] * workers
+    else:
+        sizes, left = [], n
+        for i in range(workers):
+            sizes.append(left // (workers - i))
+            left -= sizes[-1]
+    heads = [first[i::workers] for i in range(workers)]  # worker i's share of ``first``, in order
+    out, rest = [], list(rest)
+    for size, head in zip(sizes, heads):
+        take = max(0, size - len(head))
+        out += head + rest[:take]
+        del rest[:take]
+    return out + rest
 
 
 def pytest_addoption(parser):
