@@ -189,11 +189,12 @@ def timed_rounds(plans: list, problem, f: float, reps: int, rounds: int) -> list
 
 def timings(info, backend, reps: int, quick: bool, block_size: int = 0, only: tuple = (),
             rounds: int = 1, variants: list = VARIANTS, layouts: tuple = ("nhd", "split"),
-            part: tuple = (0, 1), compile_only: bool = False) -> list[tuple]:
+            part: tuple = (0, 1), compile_only: bool = False, head_size: int = 0) -> list[tuple]:
     """TFLOP/s of the portable kernel and of each Hopper variant on the same data, with each variant's largest
     error against the reference (computed once per workload). ``block_size`` replaces the workloads' own
     (16) when given: the split layout's value pages are TMA boxes one page wide, so the page size sets how wide
-    each box and its shared-memory swizzle are. ``only``: the workloads whose name contains one of these.
+    each box and its shared-memory swizzle are; ``head_size`` replaces their head size when given (the suite
+    has no short-call rows at head sizes 64 and 96). ``only``: the workloads whose name contains one of these.
     ``rounds``: alternating rounds per workload (:func:`timed_rounds`). ``variants``: the columns after the
     portable kernel's (each compiles its own kernel per workload). ``layouts``: the cache layouts timed.
     ``part`` = (i, n): only every n-th (workload, layout) pair from the i-th on. ``compile_only``: launch each
@@ -211,7 +212,8 @@ def timings(info, backend, reps: int, quick: bool, block_size: int = 0, only: tu
             raise SystemExit(f"hopper_check: --only {','.join(only)} matches no workload of the bench suite")
     pairs = [(wl, layout) for wl in suite for layout in layouts][part[0]::part[1]]
     for wl, layout in pairs:
-        spec = wl.spec.replace(layout=layout, **({"block_size": block_size} if block_size else {}))
+        spec = wl.spec.replace(layout=layout, **({"block_size": block_size} if block_size else {}),
+                               **({"head_size": head_size} if head_size else {}))
         problem = make_problem(spec, "cuda")
         if not compile_only:
             expect = fresh_output(problem)
@@ -298,6 +300,8 @@ def main(argv=None) -> int:
                         help="time only these variants (labels of VARIANTS, e.g. pingpong,pingpong-n64-s3)")
     parser.add_argument("--block-size", type=int, default=0, metavar="N",
                         help="time the workloads with cache pages of N tokens instead of their own 16")
+    parser.add_argument("--head-size", type=int, default=0, metavar="D",
+                        help="time the workloads at head size D instead of their own (e.g. many short at 64)")
     parser.add_argument("--schedule", default="", metavar="NAME=0|1,...",
                         help="check correctness with these schedule flags of the Hopper kernel (e.g. PINGPONG=1)")
     parser.add_argument("--layouts", default="nhd,split", metavar="LAYOUT,...", help="the cache layouts timed")
@@ -341,13 +345,13 @@ def main(argv=None) -> int:
     if args.compile_only:
         only = tuple(p for p in args.only.split(",") if p)
         timings(info, backend, args.reps, args.quick, args.block_size, only, args.rounds, variants, layouts, part,
-                compile_only=True)
+                compile_only=True, head_size=args.head_size)
         return 0
     if not args.no_timing:
         print("\nTFLOP/s, same data: workload | portable | " + " | ".join(v[0] for v in variants))
         only = tuple(part for part in args.only.split(",") if part)
         for r in timings(info, backend, args.reps, args.quick, args.block_size, only, args.rounds, variants,
-                         layouts):
+                         layouts, head_size=args.head_size):
             print("| " + " | ".join(r) + " |")
     return 0 if all(r[-1] == "ok" for r in rows) else 1
 
