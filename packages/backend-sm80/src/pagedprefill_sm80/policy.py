@@ -64,7 +64,7 @@ KEY_LOAD_HEAD_SIZES = (128, 256)
 #: (``WIDE_KEY_CHUNKS``): 32 keys per chunk were slower than the copies at these head sizes.
 WIDE_KEY_LOAD_HEAD_SIZES = (64, 96)
 #: Head sizes at which the split layout's short calls of a 16-bit cache take 128-key tiles, like its long ones.
-WIDE_SHORT_SPLIT_HEAD_SIZES = (128,)
+WIDE_SHORT_SPLIT_HEAD_SIZES = (64, 96, 128)
 #: Head sizes at which those key loads are issued before their tile's buffer is free (``EARLY_KEYS``): at head
 #: size 256 (32-key tiles) they measured 0.985 x (run 12).
 EARLY_KEY_HEAD_SIZES = (64, 96, 128)
@@ -146,8 +146,9 @@ def hopper_config(shape: ProblemShape) -> TileConfig:
       warpgroup MMA (1.07 x over 128 keys on the prefix-cached row in run 11; 2 stages 1.05 x);
     * the split layout's short calls: 64 keys in a 3-deep ring (128 keys were 3.5% slower on its many-short row
       in run 5; its long calls were level with 128 keys on cached rows and 7.8% faster on the long prefill in
-      run 6); at head size 128 with a 16-bit cache, whose producer loads 128-key tiles in 64-key chunks, 128
-      keys in a 2-deep ring (379.8 vs 367.6 TFLOP/s on the many-short row in run 12, both with ``EARLY_KEYS``);
+      run 6); at head sizes 64, 96 and 128 with a 16-bit cache, whose producer loads 128-key tiles in 64-key
+      chunks, 128 keys in a 2-deep ring (the many-short row: 379.8 vs 367.6 TFLOP/s at head size 128 in run 12,
+      both with ``EARLY_KEYS``; 284.6 vs 244.9 at head size 64 and 323.5 vs 278.2 at 96 in run 13);
     * an FP8 cache: 128 keys in a 2-deep ring, like the input dtype (1.14 x over 64 keys in run 8; 64 keys with
       a third stage measured level with two in run 7);
     * head size 256: 64 keys in a 2-deep ring (the accumulator and K/V tiles are twice as large); 32 keys in

@@ -286,7 +286,9 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: FP8-to-bfloat16 conversion compiles for sm90 to one scalar float16-to-bfloat16 conversion per element (256 per
 #: producer thread per 128-key tile at head size 128), on the pipe the consumers' exponentials take; through
 #: float32 they become packed float32 additions and conversions (the same count, no scalar conversion left).
-#: Bit-identical results (every step is exact). Built after run 12, not yet run.
+#: Bit-identical results (every step is exact). Run 13 (H200): it passed ``hopper_check.py`` (44 of 44) and ran the
+#: FP8 prefix-cached row at 1.50 x (NHD, 458.5 vs 305.2 TFLOP/s) and 1.26 x (split, 314.2 vs 248.7); under the
+#: profiler the special-function pipe's load fell from 47% to 25% and the tensor pipe's rose from 33% to 49%: on.
 #: Run 7 (H200, docs/performance.md): ``PRODUCER_WIDENS`` passed hopper_check.py's 37 cases and was 1.12 x the
 #: consumers widening their own copies on the FP8 row (266.9 vs 238.6 TFLOP/s): on by default.
 #: ``WIDE_PRODUCER`` passed them too and was 0.97 x (355.1 vs 365.8 on the split prefix-cached row): off, but for
@@ -303,7 +305,7 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: at 0.58-0.93 x the policy's schedule; on the split layout's 128-key tiles it spills (32 bytes; 320 with ``TURNS``).
 SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=False, VT_COPIES=False, WIDE_PRODUCER=False,
                 SHARED_V=False, PRODUCER_WIDENS=True, KEY_LOADS=False, VALUES_FIRST=False, WIDE_KEY_CHUNKS=False,
-                EARLY_KEYS=False, F32_WIDENING=False)
+                EARLY_KEYS=False, F32_WIDENING=True)
 #: Registers per thread of the second consumer partition under ``PINGPONG`` (the first, the kernel's default
 #: partition, keeps what the others leave).
 CONSUMER_REGS = 240
