@@ -554,6 +554,35 @@ def test_split_short_calls_take_128_key_tiles_at_head_sizes_64_to_128():
             assert all(flags[n] for n in ("KEY_LOADS", "VALUES_FIRST", "WIDE_KEY_CHUNKS", "EARLY_KEYS")), flags
 
 
+def test_split_short_tiles_compile_for_sm90_without_spills():
+    """The policy's tiles and schedules for the split layout's short calls at head sizes 64 and 96 (128 keys, four
+    query heads per tile, early 64-key chunks of key loads; the bench has no such row, so the codegen report
+    does not compile them) compile for sm90 with warpgroup MMAs and no spills."""
+    code = ("import json, test_sm80_hopper as t; print('SHORT', json.dumps(t.compile_split_short_tiles()))")
+    proc = run_child(code)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    summaries = __import__("json").loads(next(x for x in proc.stdout.splitlines() if x.startswith("SHORT "))[6:])
+    assert set(summaries) == {"64", "96"}, summaries
+    for head_size, summary in summaries.items():
+        assert summary["spill_bytes"] in (0, None) and summary["wgmma"] > 0, (head_size, summary)
+
+
+def compile_split_short_tiles() -> dict:
+    """Codegen summaries, by head size, of short split calls at head sizes 64 and 96 on the policy's tile."""
+    from pagedprefill.triton.codegen import compile_call, summarize
+    from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
+
+    out = {}
+    for head_size in (64, 96):
+        problem = make_problem(SPEC.replace(layout="split", head_size=head_size))
+        s = problem_shape(problem)
+        config = Sm80Backend().tile_config(s, H200)
+        assert s.workload == "short" and (config.block_n, config.heads_per_tile) == (128, 4), config
+        out[str(head_size)] = summarize(compile_call(hopper_prefill_kernel, kernel_call(problem, config, s), 90),
+                                        90).to_dict()
+    return out
+
+
 def test_head_size_64_nhd_long_calls_take_256_keys_in_3_stages():
     """Run 11: 256 keys per step in a 3-deep ring at head size 64 (NHD, long calls), 1.07 x over 128 keys; the
     shipped table's tuned entry agrees, and ``pagedprefill tune`` offers the tile."""
