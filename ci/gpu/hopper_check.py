@@ -130,6 +130,8 @@ VARIANTS = [
     ("pingpong-producer-widens-s3", dict(num_stages=3), dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=True)),
     # ... through float32: packed conversions instead of one scalar float16-to-bfloat16 conversion per element.
     ("pingpong-f32-widening", {}, dict(HEAVY_FIRST=True, PINGPONG=True, F32_WIDENING=True)),
+    # Each consumer thread handing a buffer back by an arrival of its own, without a barrier among its warps first.
+    ("pingpong-thread-arrivals", {}, dict(HEAVY_FIRST=True, PINGPONG=True, THREAD_ARRIVALS=True)),
     # Each consumer widening its own copy of an FP8 tile (the default before run 7).
     ("pingpong-consumers-widen", {}, dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=False)),
     # The next tile's Q K^T issued before this tile's softmax: 0.58-0.93 x the policy's schedule in run 12.

@@ -502,6 +502,21 @@ def _softmax_tile(scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, k
 
 
 @gluon.jit
+def _hand_back(empty, THREAD_ARRIVALS: gl.constexpr):
+    """Hand a ring buffer back to the producer once this consumer's MMAs on it are complete (each thread has
+    waited for them). ``THREAD_ARRIVALS``: every thread arrives on its own (``empty`` counts each consumer's
+    threads), so the warps of a consumer need not meet first; otherwise its warps meet at a barrier and one
+    thread arrives for all of them."""
+    if THREAD_ARRIVALS:
+        # An asynchronous-copy arrival without the count's increment: one arrival per thread, issued as soon as
+        # this thread's copies are done, and a consumer issues none.
+        async_copy.mbarrier_arrive(empty, increment_count=False)
+    else:
+        gl.thread_barrier()
+        mbarrier.arrive(empty, count=1)
+
+
+@gluon.jit
 def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_scales,
               HEAD_SIZE: gl.constexpr, ROW0: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEADS_PER_TILE: gl.constexpr, TOKENS_PER_TILE: gl.constexpr, STAGES: gl.constexpr,
@@ -510,7 +525,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
               OUT_SCALE: gl.constexpr, OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr,
               SPLIT: gl.constexpr, TURNS: gl.constexpr, OVERLAP: gl.constexpr, FP8_CACHE: gl.constexpr,
               K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, HEAD_DIM: gl.constexpr,
-              PRODUCER_WIDENS: gl.constexpr):
+              PRODUCER_WIDENS: gl.constexpr, THREAD_ARRIVALS: gl.constexpr):
     """Consume the ring for rows ``ROW0 .. ROW0 + BLOCK_M`` of the tile (``q_smem`` holds those rows):
     scores, online softmax and ``P V`` per key tile; then normalise and store.
 
@@ -537,6 +552,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
     gl.static_assert(not (FP8_CACHE and (OVERLAP or (SPLIT and not PRODUCER_WIDENS))),
                      "FP8 caches: not with OVERLAP; in the split layout, widened by the producer")
     WIDENS: gl.constexpr = FP8_CACHE and not PRODUCER_WIDENS  # this consumer widens the FP8 tiles itself
+    gl.static_assert(not (THREAD_ARRIVALS and WIDENS), "THREAD_ARRIVALS: not with the consumers' own widening")
     WRITTEN: gl.constexpr = SPLIT or PRODUCER_WIDENS  # cached tiles written by the producer's own stores
     qk_scale_cache = qk_scale
     v_scale = 1.0
@@ -618,9 +634,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
                     BLOCK_N, CAUSAL, WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE)
             if not SPLIT:
                 acc, p_in_flight = warpgroup_mma_wait(0, deps=[acc_token, p_in_flight])
-            # Every warp of this consumer is past its MMAs before the buffer is handed back to the producer.
-            gl.thread_barrier()
-            mbarrier.arrive(empty.index(s), count=1)
+            _hand_back(empty.index(s), THREAD_ARRIVALS)
     else:
         for it in range(total):
             s = it % STAGES
@@ -662,10 +676,8 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
                 acc = warpgroup_mma(p_op, vt_smem.index(s).permute((1, 0)), acc)
             else:
                 acc = warpgroup_mma(p_op, v_smem.index(s), acc)
-            # Every warp of this consumer is past its MMAs before the buffer is handed back to the producer.
-            gl.thread_barrier()
             if not (WIDENS and from_cache):
-                mbarrier.arrive(empty.index(s), count=1)
+                _hand_back(empty.index(s), THREAD_ARRIVALS)
         if FP8_CACHE:
             if new_tiles == 0:  # no new tile followed the cached ones
                 acc = acc * v_scale
@@ -711,7 +723,7 @@ def hopper_prefill_kernel(
     FP8_CACHE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, HEAD_DIM: gl.constexpr,
     VT_COPIES: gl.constexpr, WIDE_PRODUCER: gl.constexpr, SHARED_V: gl.constexpr, PRODUCER_WIDENS: gl.constexpr,
     KEY_LOADS: gl.constexpr, VALUES_FIRST: gl.constexpr, EARLY_KEYS: gl.constexpr, F32_WIDENING: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    THREAD_ARRIVALS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Prefix-prefill attention of one query tile on sm90 (see the module docstring).
 
@@ -738,6 +750,8 @@ def hopper_prefill_kernel(
     chunk; ``VALUES_FIRST`` (with it) issues each cached tile's value boxes before loading its keys;
     ``EARLY_KEYS`` (with it) loads each cached tile's keys before waiting for its buffer. ``F32_WIDENING``
     (with ``PRODUCER_WIDENS``, a bfloat16 call) widens FP8 tiles through float32 (:func:`_widen`).
+    ``THREAD_ARRIVALS`` (not with the consumers' own widening): each consumer thread hands a buffer back by an
+    arrival of its own, without a barrier among the consumer's warps first (:func:`_hand_back`).
     """
     TOKENS_PER_TILE: gl.constexpr = BLOCK_M // HEADS_PER_TILE
     tile = gl.program_id(0)
@@ -827,7 +841,8 @@ def hopper_prefill_kernel(
     EARLY_VALUES: gl.constexpr = VALUES_FIRST and KEY_LOADS and SPLIT and not VT_COPIES and not FP8_CACHE
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=2 if EARLY_VALUES else 1)
-        mbarrier.init(empty.index(i), count=CONSUMERS)  # every consumer hands the buffer back
+        # Every consumer hands the buffer back: one arrival each, or one per thread (THREAD_ARRIVALS).
+        mbarrier.init(empty.index(i), count=CONSUMERS * LAUNCH_WARPS * 32 if THREAD_ARRIVALS else CONSUMERS)
     ready8 = ready  # PRODUCER_WIDENS: the FP8 ring's own barriers (its bytes landed), seen by the producer only
     if PRODUCER_WIDENS:
         ready8 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -862,12 +877,14 @@ def hopper_prefill_kernel(
                          (kc_smem.index(0), vc_smem.index(0)), kv_scales,
                          HEAD_SIZE, 0, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
-                         TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS)),
+                         TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS,
+                         THREAD_ARRIVALS)),
             (_consumer, (q_smem.slice(ROWS, ROWS), ring, output, rows, walk, features, (turn.index(1), turn.index(0)),
                          (kc_smem.index(CONSUMERS - 1), vc_smem.index(CONSUMERS - 1)), kv_scales,
                          HEAD_SIZE, ROWS, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
-                         TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS)),
+                         TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS,
+                         THREAD_ARRIVALS)),
             (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk,
                          HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
                          PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES, EARLY_KEYS, F32_WIDENING)),
@@ -878,7 +895,8 @@ def hopper_prefill_kernel(
                          (kc_smem.index(0), vc_smem.index(0)), kv_scales,
                          HEAD_SIZE, 0, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
-                         False, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS)),
+                         False, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS,
+                         THREAD_ARRIVALS)),
             (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk,
                          HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
                          PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES, EARLY_KEYS, F32_WIDENING)),

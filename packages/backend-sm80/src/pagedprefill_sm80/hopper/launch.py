@@ -305,7 +305,7 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: at 0.58-0.93 x the policy's schedule; on the split layout's 128-key tiles it spills (32 bytes; 320 with ``TURNS``).
 SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=False, VT_COPIES=False, WIDE_PRODUCER=False,
                 SHARED_V=False, PRODUCER_WIDENS=True, KEY_LOADS=False, VALUES_FIRST=False, WIDE_KEY_CHUNKS=False,
-                EARLY_KEYS=False, F32_WIDENING=True)
+                EARLY_KEYS=False, F32_WIDENING=True, THREAD_ARRIVALS=False)
 #: Registers per thread of the second consumer partition under ``PINGPONG`` (the first, the kernel's default
 #: partition, keeps what the others leave).
 CONSUMER_REGS = 240
@@ -382,6 +382,9 @@ def resolve_schedule(shape: ProblemShape, config: TileConfig, schedule: Optional
     # packed conversion from FP8 already).
     schedule["F32_WIDENING"] = (bool(schedule["F32_WIDENING"]) and schedule["PRODUCER_WIDENS"]
                                 and shape.dtype == torch.bfloat16)
+    # Per-thread hand-backs, where every hand-back is the consumers' own after their MMAs (a consumer that widens
+    # its own FP8 copies hands each FP8 buffer back after a barrier its widening needs anyway).
+    schedule["THREAD_ARRIVALS"] = bool(schedule["THREAD_ARRIVALS"]) and (schedule["PRODUCER_WIDENS"] or not fp8)
     return schedule
 
 
