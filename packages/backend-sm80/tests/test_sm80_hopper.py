@@ -804,6 +804,60 @@ def compile_f32_widening() -> dict:
     return out
 
 
+def test_thread_arrivals_apply_where_the_consumers_hand_back_after_their_mmas():
+    """``THREAD_ARRIVALS`` (off by default: level in run 13) applies on both layouts, 16-bit and FP8 caches that
+    the producer widens; not where each consumer widens its own FP8 copies (their hand-back follows the barrier
+    the widening needs), and the launch's constexprs carry it."""
+    from pagedprefill_sm80.hopper.launch import SCHEDULE, resolve_schedule
+
+    assert not SCHEDULE["THREAD_ARRIVALS"]
+    arrivals = dict(THREAD_ARRIVALS=True)
+    for layout in ("nhd", "split"):
+        for cache in ("auto", "fp8_e4m3"):
+            s = shape(layout=layout, kv_cache_dtype=cache)
+            assert resolve_schedule(s, hopper_config(s), arrivals)["THREAD_ARRIVALS"], (layout, cache)
+            assert not resolve_schedule(s, hopper_config(s))["THREAD_ARRIVALS"], (layout, cache)
+    fp8 = shape(kv_cache_dtype="fp8_e4m3")
+    assert not resolve_schedule(fp8, hopper_config(fp8), dict(arrivals, PRODUCER_WIDENS=False))["THREAD_ARRIVALS"]
+    problem = make_problem(SPEC)
+    assert kernel_call(problem, hopper_config(shape()), shape(), arrivals).constexprs["THREAD_ARRIVALS"]
+
+
+def test_thread_arrivals_compile_for_sm90_with_one_barrier_less_per_consumer():
+    """Per-thread hand-backs on the policy's NHD tile: no spills, an asynchronous-copy arrival in each of the
+    two consumers instead of their one-thread arrival, and one warp barrier less in each."""
+    code = ("import json, test_sm80_hopper as t; print('ARRIVALS', json.dumps(t.compile_thread_arrivals()))")
+    proc = run_child(code)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    summary = __import__("json").loads(next(x for x in proc.stdout.splitlines() if x.startswith("ARRIVALS "))[9:])
+    assert summary["spill_bytes"] in (0, None) and summary["wgmma"] > 0, summary
+    assert (summary["thread_arrivals"], summary["one_thread_arrivals"]) == (2, 0), summary
+    assert (summary["default_thread_arrivals"], summary["default_one_thread_arrivals"]) == (0, 2), summary
+    assert summary["barriers"] == summary["default_barriers"] - 2, summary
+
+
+def compile_thread_arrivals() -> dict:
+    """Codegen summary of the policy's NHD call under ``THREAD_ARRIVALS``, with the PTX's counts of warp barriers,
+    per-thread (asynchronous-copy) arrivals and one-thread arrivals, under it and under the default."""
+    import re
+
+    from pagedprefill.triton.codegen import compile_call, summarize
+    from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
+
+    def counts(compiled, prefix=""):
+        code = "\n".join(ptx_code(compiled))
+        return {prefix + "barriers": len(re.findall(r"\b(?:bar|barrier)\.sync\b", code)),
+                prefix + "thread_arrivals": len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc", code)),
+                prefix + "one_thread_arrivals": len(re.findall(r"mbarrier\.arrive\.shared::cta", code))}
+
+    problem = make_problem(SPEC)
+    s = problem_shape(problem)
+    config = hopper_config(s)
+    per_thread = compile_call(hopper_prefill_kernel, kernel_call(problem, config, s, dict(THREAD_ARRIVALS=True)), 90)
+    default = compile_call(hopper_prefill_kernel, kernel_call(problem, config, s, dict(THREAD_ARRIVALS=False)), 90)
+    return {**summarize(per_thread, 90).to_dict(), **counts(per_thread), **counts(default, "default_")}
+
+
 def test_256_key_tiles_at_head_size_64_compile_for_sm90_without_spills():
     """Candidates for head size 64 (``hopper_check.py``'s ``pingpong-n256-*`` variants): 256 keys per step in 3
     stages on NHD, and in 2 stages on the split layout with a producer warpgroup (one producer warp spills the

@@ -289,6 +289,12 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: Bit-identical results (every step is exact). Run 13 (H200): it passed ``hopper_check.py`` (44 of 44) and ran the
 #: FP8 prefix-cached row at 1.50 x (NHD, 458.5 vs 305.2 TFLOP/s) and 1.26 x (split, 314.2 vs 248.7); under the
 #: profiler the special-function pipe's load fell from 47% to 25% and the tensor pipe's rose from 33% to 49%: on.
+#: ``THREAD_ARRIVALS`` (not with the consumers' own FP8 widening) hands each ring buffer back by one arrival per
+#: consumer thread instead of a barrier among the consumer's warps and one thread's arrival: one warp barrier
+#: less per key tile and consumer in the sm90 code. Run 13 (H200): 42 of ``hopper_check.py``'s 44 cases passed
+#: before the step's limit (none failed), and the timings were level (0.97-1.02 x on the long prefill,
+#: prefix-cached, window and D64 rows): the loop's other barrier, which the compiler places before the wait for
+#: a tile, remains. Off.
 #: Run 7 (H200, docs/performance.md): ``PRODUCER_WIDENS`` passed hopper_check.py's 37 cases and was 1.12 x the
 #: consumers widening their own copies on the FP8 row (266.9 vs 238.6 TFLOP/s): on by default.
 #: ``WIDE_PRODUCER`` passed them too and was 0.97 x (355.1 vs 365.8 on the split prefix-cached row): off, but for
