@@ -293,8 +293,8 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: consumer thread instead of a barrier among the consumer's warps and one thread's arrival: one warp barrier
 #: less per key tile and consumer in the sm90 code. Run 13 (H200): 42 of ``hopper_check.py``'s 44 cases passed
 #: before the step's limit (none failed), and the timings were level (0.97-1.02 x on the long prefill,
-#: prefix-cached, window and D64 rows): the loop's other barrier, which the compiler places before the wait for
-#: a tile, remains. Off.
+#: prefix-cached, window and D64 rows): the loop's other barrier remains, which Triton 3.6 places before every
+#: mbarrier wait in a loop (ci/mbarrier_wait_barriers.py). Off.
 #: Run 7 (H200, docs/performance.md): ``PRODUCER_WIDENS`` passed hopper_check.py's 37 cases and was 1.12 x the
 #: consumers widening their own copies on the FP8 row (266.9 vs 238.6 TFLOP/s): on by default.
 #: ``WIDE_PRODUCER`` passed them too and was 0.97 x (355.1 vs 365.8 on the split prefix-cached row): off, but for
