@@ -130,6 +130,14 @@ VARIANTS = [
     ("pingpong-producer-widens-s3", dict(num_stages=3), dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=True)),
     # ... through float32: packed conversions instead of one scalar float16-to-bfloat16 conversion per element.
     ("pingpong-f32-widening", {}, dict(HEAVY_FIRST=True, PINGPONG=True, F32_WIDENING=True)),
+    # The split layout's new-token values stored transposed by the producer into the V^T ring (no V ring): on the
+    # policy's tiles, on 64 keys per step at head size 256 and on 128 keys in 3 stages at head size 128 (the tiles
+    # the freed ring makes room for).
+    ("pingpong-new-values-t", {}, dict(HEAVY_FIRST=True, PINGPONG=True, NEW_VALUES_T=True)),
+    ("pingpong-new-values-t-n64-s2", dict(block_n=64, num_stages=2),
+     dict(HEAVY_FIRST=True, PINGPONG=True, NEW_VALUES_T=True)),
+    ("pingpong-new-values-t-n128-s3", dict(block_n=128, num_stages=3),
+     dict(HEAVY_FIRST=True, PINGPONG=True, NEW_VALUES_T=True)),
     # Each consumer thread handing a buffer back by an arrival of its own, without a barrier among its warps first.
     ("pingpong-thread-arrivals", {}, dict(HEAVY_FIRST=True, PINGPONG=True, THREAD_ARRIVALS=True)),
     # Each consumer widening its own copy of an FP8 tile (the default before run 7).

@@ -804,6 +804,76 @@ def compile_f32_widening() -> dict:
     return out
 
 
+def test_new_values_transposed_apply_to_the_split_layouts_16_bit_cache_and_free_its_third_ring(monkeypatch):
+    """``NEW_VALUES_T`` (off by default, not yet run) applies to the split layout's 16-bit cache only (not NHD, an
+    FP8 cache or ``SHARED_V``); without the new tokens' V ring a split tile takes NHD's shared memory, so head
+    size 256 fits 64 keys in 2 stages and head size 128 fits 128 keys in 3 on an H200; the launch's constexprs
+    carry it, and a token stride the producer's 32-bit offsets cannot span is refused by name."""
+    from pagedprefill_sm80.hopper.launch import SCHEDULE, resolve_schedule, shape_unfit_reason, shared_bytes
+
+    assert not SCHEDULE["NEW_VALUES_T"]
+    flag = dict(NEW_VALUES_T=True)
+    split = shape(layout="split")
+    assert resolve_schedule(split, hopper_config(split), flag)["NEW_VALUES_T"]
+    assert not resolve_schedule(split, hopper_config(split))["NEW_VALUES_T"]
+    for other in (shape(layout="nhd"), shape(layout="split", kv_cache_dtype="fp8_e4m3")):
+        assert not resolve_schedule(other, hopper_config(other), flag)["NEW_VALUES_T"]
+    assert not resolve_schedule(split, hopper_config(split), dict(flag, SHARED_V=True))["NEW_VALUES_T"]
+    for head_size, tile in ((256, dict(block_n=64, num_stages=2)), (128, dict(block_n=128, num_stages=3))):
+        s = shape(layout="split", head_size=head_size)
+        config = hopper_config(s).with_(**tile)
+        assert shared_bytes(s, config, flag) == shared_bytes(shape(layout="nhd", head_size=head_size), config)
+        assert shared_bytes(s, config, flag) <= H200.max_shared_mem < shared_bytes(s, config), (head_size, tile)
+    s256 = shape(layout="split", head_size=256)
+    n64 = hopper_config(s256).with_(block_n=64, num_stages=2)
+    assert "up to 32 keys per step" in shape_unfit_reason(s256, n64, H200.max_shared_mem)
+    monkeypatch.setenv(SCHEDULE_ENV, "NEW_VALUES_T=1")
+    assert shape_unfit_reason(s256, n64, H200.max_shared_mem) is None
+    monkeypatch.delenv(SCHEDULE_ENV)
+    problem = make_problem(SPEC.replace(layout="split"))
+    assert kernel_call(problem, hopper_config(split), split, flag).constexprs["NEW_VALUES_T"]
+    # One token of v whose token stride times the tile's keys passes 2**31 (no storage behind the stride).
+    v = problem.v
+    wide = torch.empty_strided((1, *v.shape[1:]), (2**31 // 64, v.stride(1), v.stride(2)), dtype=v.dtype)
+    one = dataclasses.replace(make_problem(SPEC.replace(layout="split", query_lens=(1,), context_lens=(90,))),
+                              v=wide)
+    with pytest.raises(ValueError, match="NEW_VALUES_T: v's token stride"):
+        kernel_call(one, hopper_config(split), problem_shape(one), flag)
+
+
+def test_new_values_transposed_compile_for_sm90_with_two_rings():
+    """The split layout's head size 256 on 64 keys in 2 stages under ``NEW_VALUES_T`` (the tile it makes room
+    for; 32 keys beside three rings otherwise) and head size 64 on the policy's tile: warpgroup MMAs, no spills,
+    and the shared memory the model counts without a V ring."""
+    code = ("import json, test_sm80_hopper as t; print('NEWVT', json.dumps(t.compile_new_values_transposed()))")
+    proc = run_child(code)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    summaries = __import__("json").loads(next(x for x in proc.stdout.splitlines() if x.startswith("NEWVT "))[6:])
+    assert sorted(summaries) == ["256", "64"], summaries
+    for head_size, summary in summaries.items():
+        assert summary["spill_bytes"] in (0, None) and summary["wgmma"] > 0, (head_size, summary)
+        assert summary["model_bytes"] - 1024 <= summary["shared_bytes"] <= summary["model_bytes"], summary
+
+
+def compile_new_values_transposed() -> dict:
+    """Codegen summaries (and the shared-memory model's bytes) of split calls under ``NEW_VALUES_T``: head size
+    256 on 64 keys in 2 stages, head size 64 on the policy's tile."""
+    from pagedprefill.triton.codegen import compile_call, summarize
+    from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
+    from pagedprefill_sm80.hopper.launch import shared_bytes
+
+    flag = dict(NEW_VALUES_T=True)
+    out = {}
+    for head_size, tile in ((256, dict(block_n=64, num_stages=2)), (64, {})):
+        problem = make_problem(SPEC.replace(layout="split", head_size=head_size, query_lens=(400, 300),
+                                            context_lens=(500, 0)))
+        s = problem_shape(problem)
+        config = hopper_config(s).with_(**tile)
+        compiled = compile_call(hopper_prefill_kernel, kernel_call(problem, config, s, flag), 90)
+        out[str(head_size)] = {**summarize(compiled, 90).to_dict(), "model_bytes": shared_bytes(s, config, flag)}
+    return out
+
+
 def test_thread_arrivals_apply_where_the_consumers_hand_back_after_their_mmas():
     """``THREAD_ARRIVALS`` (off by default: level in run 13) applies on both layouts, 16-bit and FP8 caches that
     the producer widens; not where each consumer widens its own FP8 copies (their hand-back follows the barrier

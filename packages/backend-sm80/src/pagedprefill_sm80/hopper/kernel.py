@@ -223,6 +223,37 @@ def _split_values_async(split_values, vt_dst, table, kv_head, n0,
 
 
 @gluon.jit
+def _new_values_transposed(new_values, vt_dst, row0, kv_head, num_tokens, HEAD_SIZE: gl.constexpr,
+                           BLOCK_N: gl.constexpr, WARPS: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """One tile of the new tokens' values, rows ``row0 .. row0 + BLOCK_N`` of ``v``, stored transposed into the
+    V^T buffer ``vt_dst`` (``[D, BLOCK_N]``) that the cached tiles' values take, so that the split layout needs
+    no ring of its own for them. ``new_values`` is ``(V_new, stride_token, stride_head)``.
+
+    Each thread loads a block of four tokens by eight head columns (four 16-byte loads) and stores it as eight
+    8-byte pieces of V^T rows: the transposition happens in its registers. (Eight tokens per thread would store
+    16 bytes at a time, but the producer holds its key loads' state beside them and spilled.) Rows past the last
+    token and columns past a padded head read as zeros. The producer's ``WARPS`` warps take ``CHUNK`` tokens at a
+    time."""
+    V_new, stride_vt, stride_vh = new_values
+    COL_LANES: gl.constexpr = HEAD_SIZE // 8 if HEAD_SIZE // 8 < 32 else 32
+    ROW_LANES: gl.constexpr = 32 // COL_LANES
+    TOKENS_PER_THREAD: gl.constexpr = 4
+    CHUNK: gl.constexpr = (TOKENS_PER_THREAD * ROW_LANES * WARPS if TOKENS_PER_THREAD * ROW_LANES * WARPS < BLOCK_N
+                           else BLOCK_N)
+    v_ld: gl.constexpr = gl.BlockedLayout([TOKENS_PER_THREAD, 8], [ROW_LANES, COL_LANES], [WARPS, 1], [1, 0])
+    offs_d = gl.arange(0, HEAD_SIZE, gl.SliceLayout(0, v_ld))
+    # One 64-bit base for the tile, 32-bit offsets within it (the launch checks that a tile's rows span less
+    # than 2**31 elements): fewer registers in the producer, which holds them beside its key loads' state.
+    tile_values = V_new + (row0.to(gl.int64) * stride_vt + kv_head.to(gl.int64) * stride_vh)
+    vt_rows = vt_dst.permute((1, 0))  # [BLOCK_N, D]: a token's values are a column of V^T
+    for c in gl.static_range(0, BLOCK_N, CHUNK):
+        offs_n = c + gl.arange(0, CHUNK, gl.SliceLayout(1, v_ld))
+        ptrs = tile_values + gl.expand_dims(offs_n * stride_vt, 1) + gl.expand_dims(offs_d, 0)
+        ok = gl.expand_dims(row0 + offs_n < num_tokens, 1) & gl.expand_dims(offs_d < HEAD_DIM, 0)
+        vt_rows.slice(c, CHUNK).store(gl.load(ptrs, mask=ok, other=0.0))
+
+
+@gluon.jit
 def _copy_rows(desc, row, kv_head, col, barrier, tile, start, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_SIZE: gl.constexpr, PADDED: gl.constexpr):
     """One TMA box of ``ROWS`` rows of one head into rows ``start ..`` of ``tile`` (``[BLOCK_N, HEAD_SIZE]``):
@@ -336,11 +367,12 @@ def _cached_tile(loads, table, kv_head, col, n0, v_rows_per_block, barrier, k_ds
 
 
 @gluon.jit
-def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk,
+def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk, new_values, num_tokens,
               HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               SPLIT: gl.constexpr, X: gl.constexpr, HEAD_DIM: gl.constexpr, VT_COPIES: gl.constexpr,
               WARPS: gl.constexpr, PRODUCER_WIDENS: gl.constexpr, KEY_LOADS: gl.constexpr,
-              VALUES_FIRST: gl.constexpr, EARLY_KEYS: gl.constexpr, F32_WIDENING: gl.constexpr):
+              VALUES_FIRST: gl.constexpr, EARLY_KEYS: gl.constexpr, F32_WIDENING: gl.constexpr,
+              NEW_VALUES_T: gl.constexpr):
     """Fill the ring: for each key tile, wait until its buffer is free, then issue the copies of K and V and
     let the ``ready`` barrier count their bytes (TMA) and their completion (asynchronous copies).
 
@@ -359,6 +391,10 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
     ``ready8``; NHD by TMA, the split layout by 16-byte copies, its values as V^T), up to ``STAGES`` tiles
     ahead; the producer's warps widen each into the 16-bit ring once, for both consumers, then signal ``ready``
     (``F32_WIDENING``: through float32, see :func:`_widen`).
+
+    ``NEW_VALUES_T`` (split layout): the new tokens' values are loaded by the producer's warps and stored
+    transposed into the V^T ring (``new_values``: the pointer and strides of ``v``; rows from ``num_tokens`` on
+    read as zeros), before the tile's key box is issued; there is no V ring.
     """
     gl.static_assert(not EARLY_KEYS or (SPLIT and KEY_LOADS > 0 and not PRODUCER_WIDENS and BLOCK_N <= 2 * KEY_LOADS),
                      "EARLY_KEYS: the split layout's 16-bit key loads, a tile of one or two chunks")
@@ -421,22 +457,34 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
                               k8_smem.index(s), v8_smem.index(s), 2 * CACHE_HALF_BYTES, PAGE, BLOCK_N, HEAD_SIZE,
                               PADDED)
         else:
-            mbarrier.expect(ready.index(s), 2 * HALF_BYTES)
+            row = seq_row0 + new_start + (it - cache_tiles) * BLOCK_N
+            if NEW_VALUES_T:
+                # The values first: their stores are done and fenced before the keys' expect arrives.
+                _new_values_transposed(new_values, vt_smem.index(s), row, kv_head, num_tokens, HEAD_SIZE, BLOCK_N,
+                                       WARPS, HEAD_DIM)
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.expect(ready.index(s), HALF_BYTES)
+            else:
+                mbarrier.expect(ready.index(s), 2 * HALF_BYTES)
             if VALUES_FIRST:  # the second of the two arrivals the ring's barriers take then
                 mbarrier.arrive(ready.index(s), count=1)
-            row = seq_row0 + new_start + (it - cache_tiles) * BLOCK_N
             _copy_rows(k_new, row, kv_head, col, ready.index(s), k_dst, 0, BLOCK_N, BLOCK_N, HEAD_SIZE, PADDED)
-            _copy_rows(v_new, row, kv_head, col, ready.index(s), v_smem.index(s), 0, BLOCK_N, BLOCK_N, HEAD_SIZE,
-                       PADDED)
+            if not NEW_VALUES_T:
+                _copy_rows(v_new, row, kv_head, col, ready.index(s), v_smem.index(s), 0, BLOCK_N, BLOCK_N, HEAD_SIZE,
+                           PADDED)
 
 
 @gluon.jit
-def _wait_tile(ready, it, from_cache, WRITTEN: gl.constexpr, STAGES: gl.constexpr):
+def _wait_tile(ready, it, from_cache, WRITTEN: gl.constexpr, STAGES: gl.constexpr, NEW_WRITTEN: gl.constexpr):
     """Wait until key tile ``it`` has landed in its buffer. Cached tiles the producer wrote with its own
     instructions (``WRITTEN``: the split layout's asynchronous copies, widened FP8 tiles) are ordinary
-    shared-memory writes: fenced before the MMA's reads."""
+    shared-memory writes: fenced before the MMA's reads; with ``NEW_WRITTEN`` (the new tokens' values stored
+    transposed by the producer) every tile is."""
     mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
-    if WRITTEN:
+    if NEW_WRITTEN:
+        fence_async_shared()
+    elif WRITTEN:
         if from_cache:
             fence_async_shared()
 
@@ -525,7 +573,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
               OUT_SCALE: gl.constexpr, OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr,
               SPLIT: gl.constexpr, TURNS: gl.constexpr, OVERLAP: gl.constexpr, FP8_CACHE: gl.constexpr,
               K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, HEAD_DIM: gl.constexpr,
-              PRODUCER_WIDENS: gl.constexpr, THREAD_ARRIVALS: gl.constexpr):
+              PRODUCER_WIDENS: gl.constexpr, THREAD_ARRIVALS: gl.constexpr, NEW_VALUES_T: gl.constexpr):
     """Consume the ring for rows ``ROW0 .. ROW0 + BLOCK_M`` of the tile (``q_smem`` holds those rows):
     scores, online softmax and ``P V`` per key tile; then normalise and store.
 
@@ -541,7 +589,8 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
     the widened copy. ``kv_scales`` (``k_scale``, ``v_scale`` and their tensor forms) are folded as in the
     portable kernel: ``k_scale`` into the cached tiles' logit scale, ``v_scale`` into the accumulator once the
     cached tiles are done (they come first). With ``PRODUCER_WIDENS`` the producer has widened the cached tiles
-    into the 16-bit ring already: this consumer reads them there, and only folds the scales.
+    into the 16-bit ring already: this consumer reads them there, and only folds the scales. ``NEW_VALUES_T``
+    (split layout): every tile's values are in the V^T ring, the new tokens' too.
     """
     k_smem, v_smem, vt_smem, k8_smem, v8_smem, ready, empty = ring
     kc_smem, vc_smem = widened
@@ -592,7 +641,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
         p_op = gl.zeros([BLOCK_M, BLOCK_N], q_smem.dtype, p_layout)
         alpha = gl.full([BLOCK_M], 1.0, gl.float32, row_s)
         if total > 0:
-            _wait_tile(ready, 0, 0 < cache_tiles, WRITTEN, STAGES)
+            _wait_tile(ready, 0, 0 < cache_tiles, WRITTEN, STAGES, NEW_VALUES_T)
             scores = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), scores, use_acc=False)
             p_op, alpha, m_i, l_i = _softmax_tile(
                 scores, m_i, l_i, 0, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap, qk_scale,
@@ -603,7 +652,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
             has_next = it + 1 < total
             s_next = gl.where(has_next, (it + 1) % STAGES, s)
             if has_next:
-                _wait_tile(ready, it + 1, it + 1 < cache_tiles, WRITTEN, STAGES)
+                _wait_tile(ready, it + 1, it + 1 < cache_tiles, WRITTEN, STAGES, NEW_VALUES_T)
             if TURNS:
                 mbarrier.wait(turns[0], it & 1)
             next_token = warpgroup_mma(q_smem, k_smem.index(s_next).permute((1, 0)),
@@ -612,7 +661,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             if SPLIT:
                 # Which ring holds tile it's values is known at run time only: P V stays synchronous here.
-                if it < cache_tiles:
+                if NEW_VALUES_T or it < cache_tiles:
                     acc = warpgroup_mma(p_op, vt_smem.index(s).permute((1, 0)), acc)
                 else:
                     acc = warpgroup_mma(p_op, v_smem.index(s), acc)
@@ -639,7 +688,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
         for it in range(total):
             s = it % STAGES
             from_cache = it < cache_tiles
-            _wait_tile(ready, it, from_cache, WRITTEN, STAGES)
+            _wait_tile(ready, it, from_cache, WRITTEN, STAGES, NEW_VALUES_T)
             if FP8_CACHE:
                 if it == cache_tiles:  # the cached tiles are done: their values' scale, once
                     acc = acc * v_scale
@@ -671,8 +720,9 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             if WIDENS and from_cache:
                 acc = warpgroup_mma(p_op, vc_smem, acc)
-            elif SPLIT and from_cache:
-                # Cached values arrive transposed (V^T pages) in their own ring, new tokens' values as rows.
+            elif SPLIT and (from_cache or NEW_VALUES_T):
+                # Cached values arrive transposed (V^T pages) in their own ring, new tokens' values as rows (or
+                # transposed by the producer into the same ring, NEW_VALUES_T).
                 acc = warpgroup_mma(p_op, vt_smem.index(s).permute((1, 0)), acc)
             else:
                 acc = warpgroup_mma(p_op, v_smem.index(s), acc)
@@ -707,13 +757,13 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
 
 @gluon.jit
 def hopper_prefill_kernel(
-    Q, Out, k_cache, v_cache, k_new, v_new, v_cache_t, K_cache, V_cache, block_table, query_start, seq_lens,
+    Q, Out, k_cache, v_cache, k_new, v_new, v_cache_t, K_cache, V_cache, V_new, block_table, query_start, seq_lens,
     ctx_lens,
     alibi_slopes, sinks, out_scale_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, out_scale, k_scale, v_scale, softcap, window, num_seqs, num_tokens, num_blocks, table_width,
     group_size,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table_seq,
-    stride_kb, stride_kh, stride_kd, v_rows_per_block, stride_v_row,
+    stride_kb, stride_kh, stride_kd, v_rows_per_block, stride_v_row, stride_vt, stride_vh,
     HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEADS_PER_TILE: gl.constexpr, HEAD_CHUNKS: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
     CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
@@ -723,7 +773,8 @@ def hopper_prefill_kernel(
     FP8_CACHE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, HEAD_DIM: gl.constexpr,
     VT_COPIES: gl.constexpr, WIDE_PRODUCER: gl.constexpr, SHARED_V: gl.constexpr, PRODUCER_WIDENS: gl.constexpr,
     KEY_LOADS: gl.constexpr, VALUES_FIRST: gl.constexpr, EARLY_KEYS: gl.constexpr, F32_WIDENING: gl.constexpr,
-    THREAD_ARRIVALS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    THREAD_ARRIVALS: gl.constexpr, NEW_VALUES_T: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
 ):
     """Prefix-prefill attention of one query tile on sm90 (see the module docstring).
 
@@ -752,6 +803,9 @@ def hopper_prefill_kernel(
     (with ``PRODUCER_WIDENS``, a bfloat16 call) widens FP8 tiles through float32 (:func:`_widen`).
     ``THREAD_ARRIVALS`` (not with the consumers' own widening): each consumer thread hands a buffer back by an
     arrival of its own, without a barrier among the consumer's warps first (:func:`_hand_back`).
+    ``NEW_VALUES_T`` (split layout, 16-bit cache): the producer stores the new tokens' values transposed into the
+    V^T ring (``V_new`` is ``v`` itself, with its token and head strides ``stride_vt``/``stride_vh``), so there is
+    no V ring (:func:`_new_values_transposed`).
     """
     TOKENS_PER_TILE: gl.constexpr = BLOCK_M // HEADS_PER_TILE
     tile = gl.program_id(0)
@@ -794,8 +848,11 @@ def hopper_prefill_kernel(
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_SIZE],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_SIZE], dtype), q)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_SIZE], dtype)
+    gl.static_assert(not NEW_VALUES_T or (SPLIT and not FP8_CACHE and not SHARED_V),
+                     "NEW_VALUES_T: the split layout's 16-bit cache, with a V^T ring of its own")
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_SIZE], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_SIZE], kv_layout)
+    if not NEW_VALUES_T:  # (every tile's values go to the V^T ring otherwise)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_SIZE], kv_layout)
     if SPLIT:
         if VT_COPIES or FP8_CACHE:  # copied (or widened) by the producer into the layout the MMA reads best
             vt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_SIZE, BLOCK_N], dtype)
@@ -810,6 +867,8 @@ def hopper_prefill_kernel(
             vt_smem = v_smem._reinterpret(dtype, [STAGES, HEAD_SIZE, BLOCK_N], vt_layout)
         else:
             vt_smem = gl.allocate_shared_memory(dtype, [STAGES, HEAD_SIZE, BLOCK_N], vt_layout)
+        if NEW_VALUES_T:
+            v_smem = vt_smem  # not read: a placeholder in the ring's tuple
     else:
         vt_smem = v_smem
     CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
@@ -870,7 +929,9 @@ def hopper_prefill_kernel(
     loads = (k_cache, v_cache, k_new, v_new, v_cache_t, (K_cache, stride_kb, stride_kh, stride_kd),
              (V_cache, v_rows_per_block, stride_v_row))
     table = (table_row, table_width, num_blocks)
-    PRODUCER_WARPS: gl.constexpr = 4 if ((WIDE_PRODUCER or KEY_LOADS) and SPLIT) or PRODUCER_WIDENS else 1
+    new_values = (V_new, stride_vt, stride_vh)
+    PRODUCER_WARPS: gl.constexpr = 4 if ((WIDE_PRODUCER or KEY_LOADS or NEW_VALUES_T) and SPLIT) or PRODUCER_WIDENS \
+        else 1
     if PINGPONG:
         gl.warp_specialize([
             (_consumer, (q_smem.slice(0, ROWS), ring, output, rows, walk, features, (turn.index(0), turn.index(1)),
@@ -878,16 +939,16 @@ def hopper_prefill_kernel(
                          HEAD_SIZE, 0, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
                          TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS,
-                         THREAD_ARRIVALS)),
+                         THREAD_ARRIVALS, NEW_VALUES_T)),
             (_consumer, (q_smem.slice(ROWS, ROWS), ring, output, rows, walk, features, (turn.index(1), turn.index(0)),
                          (kc_smem.index(CONSUMERS - 1), vc_smem.index(CONSUMERS - 1)), kv_scales,
                          HEAD_SIZE, ROWS, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
                          TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS,
-                         THREAD_ARRIVALS)),
-            (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk,
-                         HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
-                         PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES, EARLY_KEYS, F32_WIDENING)),
+                         THREAD_ARRIVALS, NEW_VALUES_T)),
+            (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk, new_values,
+                         num_tokens, HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
+                         PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES, EARLY_KEYS, F32_WIDENING, NEW_VALUES_T)),
         ], [LAUNCH_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -896,8 +957,8 @@ def hopper_prefill_kernel(
                          HEAD_SIZE, 0, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
                          False, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS,
-                         THREAD_ARRIVALS)),
-            (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk,
-                         HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
-                         PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES, EARLY_KEYS, F32_WIDENING)),
+                         THREAD_ARRIVALS, NEW_VALUES_T)),
+            (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk, new_values,
+                         num_tokens, HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
+                         PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES, EARLY_KEYS, F32_WIDENING, NEW_VALUES_T)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])

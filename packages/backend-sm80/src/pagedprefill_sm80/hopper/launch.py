@@ -46,8 +46,8 @@ def shared_bytes(shape: ProblemShape, config: TileConfig, schedule: Optional[dic
     d = PADDED_HEADS.get(shape.head_size, shape.head_size)
     tile = config.block_n * d * 2  # one K or V tile in the input's 16-bit type
     total = config.block_m * d * 2 + config.num_stages * 2 * tile
-    if shape.layout == "split" and not schedule["SHARED_V"]:
-        total += config.num_stages * tile
+    if shape.layout == "split" and not schedule["SHARED_V"] and not schedule["NEW_VALUES_T"]:
+        total += config.num_stages * tile  # the new tokens' V ring beside the cached values' V^T ring
     if shape.kv_cache_dtype != "auto":
         consumers = 0 if schedule["PRODUCER_WIDENS"] else 2 if schedule["PINGPONG"] else 1
         total += config.num_stages * 2 * config.block_n * d + consumers * 2 * tile
@@ -69,13 +69,16 @@ def shape_unfit_reason(shape: ProblemShape, config: TileConfig, max_shared: Opti
                f"size {shape.head_size}"
     if shape.head_size not in HEAD_SIZES:
         return f"is built for head sizes {HEAD_SIZES}, not {shape.head_size}"
-    shared_v = resolve_schedule(shape, config)["SHARED_V"]
+    schedule = resolve_schedule(shape, config)
+    shared_v = schedule["SHARED_V"]
     if shape.head_size in PADDED_HEADS and shared_v:
         return f"reads head size {shape.head_size} (padded to {PADDED_HEADS[shape.head_size]}) in the split " \
                f"layout with a V^T ring of its own, not under the SHARED_V schedule"
-    if shape.layout == "split" and shape.head_size > 128 and not shared_v and config.block_n > 32:
+    if shape.layout == "split" and shape.head_size > 128 and not (shared_v or schedule["NEW_VALUES_T"]) \
+            and config.block_n > 32:
         return f"reads the split layout at head size {shape.head_size} with up to 32 keys per step (its V^T ring " \
-               f"takes shared memory; the SHARED_V schedule makes room for more), not block_n={config.block_n}"
+               f"takes shared memory; the SHARED_V and NEW_VALUES_T schedules make room for more), not " \
+               f"block_n={config.block_n}"
     page, block_n = shape.block_size, config.block_n
     smallest = 16 if shape.layout == "split" else 8  # a V^T page box is at least one 32-byte swizzle atom wide
     if page < smallest or page & (page - 1) or not (block_n % page == 0 or page % block_n == 0):
@@ -240,7 +243,9 @@ def _plain_tensors(p: PrefillProblem) -> list:
     fp8 = c.dtype.is_fp8
     k_scale = c.k_scale if fp8 and isinstance(c.k_scale, torch.Tensor) else q
     v_scale = c.v_scale if fp8 and isinstance(c.v_scale, torch.Tensor) else q
-    return [q, p.out, None, None, None, None, None, keys, values, b.block_table, b.query_start, b.seq_lens,
+    new_values = q if p.v is None else p.v  # read by the producer's loads under NEW_VALUES_T
+    return [q, p.out, None, None, None, None, None, keys, values, new_values, b.block_table, b.query_start,
+            b.seq_lens,
             b.context_lens, q if o.alibi_slopes is None else o.alibi_slopes, q if o.sinks is None else o.sinks,
             out_scale if isinstance(out_scale, torch.Tensor) else q, k_scale, v_scale]
 
@@ -295,6 +300,13 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: before the step's limit (none failed), and the timings were level (0.97-1.02 x on the long prefill,
 #: prefix-cached, window and D64 rows): the loop's other barrier remains, which Triton 3.6 places before every
 #: mbarrier wait in a loop (ci/mbarrier_wait_barriers.py). Off.
+#: ``NEW_VALUES_T`` (split layout, 16-bit cache, not ``SHARED_V``): the producer warpgroup loads the new tokens'
+#: values and stores them transposed into the V^T ring (each thread an 8 x 8 block, transposed in its registers:
+#: 16-byte loads and 16-byte stores), so the split layout has two rings like NHD instead of three. That makes
+#: room for 64 keys per step at head size 256 (192 KiB in 2 stages, against 32 keys beside three rings) and for a
+#: third stage of 128 keys at head size 128 (224 KiB). Compiled for sm90: no spills at head size 256 (64 keys in
+#: 2 stages) or 64; at head sizes 96 and 128 (128-key tiles, whose producer also holds two 64-key chunks of key
+#: loads) its producer spills 24 bytes. Built after run 13, not yet run.
 #: Run 7 (H200, docs/performance.md): ``PRODUCER_WIDENS`` passed hopper_check.py's 37 cases and was 1.12 x the
 #: consumers widening their own copies on the FP8 row (266.9 vs 238.6 TFLOP/s): on by default.
 #: ``WIDE_PRODUCER`` passed them too and was 0.97 x (355.1 vs 365.8 on the split prefix-cached row): off, but for
@@ -311,7 +323,8 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: at 0.58-0.93 x the policy's schedule; on the split layout's 128-key tiles it spills (32 bytes; 320 with ``TURNS``).
 SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=False, VT_COPIES=False, WIDE_PRODUCER=False,
                 SHARED_V=False, PRODUCER_WIDENS=True, KEY_LOADS=False, VALUES_FIRST=False, WIDE_KEY_CHUNKS=False,
-                EARLY_KEYS=False, F32_WIDENING=True, THREAD_ARRIVALS=False)
+                EARLY_KEYS=False, F32_WIDENING=True, THREAD_ARRIVALS=False,
+                NEW_VALUES_T=False)
 #: Registers per thread of the second consumer partition under ``PINGPONG`` (the first, the kernel's default
 #: partition, keeps what the others leave).
 CONSUMER_REGS = 240
@@ -391,6 +404,9 @@ def resolve_schedule(shape: ProblemShape, config: TileConfig, schedule: Optional
     # Per-thread hand-backs, where every hand-back is the consumers' own after their MMAs (a consumer that widens
     # its own FP8 copies hands each FP8 buffer back after a barrier its widening needs anyway).
     schedule["THREAD_ARRIVALS"] = bool(schedule["THREAD_ARRIVALS"]) and (schedule["PRODUCER_WIDENS"] or not fp8)
+    # The new tokens' values transposed into the V^T ring: the split layout's 16-bit cache (an FP8 cache's
+    # V^T ring is widened from its own FP8 ring), not beside SHARED_V's one ring.
+    schedule["NEW_VALUES_T"] = bool(schedule["NEW_VALUES_T"]) and split and not fp8 and not schedule["SHARED_V"]
     return schedule
 
 
@@ -423,13 +439,20 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
     key = p.cache.key
     split_strides = (key.stride(0), key.stride(1), key.stride(2)) if split else (0, 0, 0)
     value_row_stride = p.cache.value.stride(2) if split else 0
+    # The new tokens' values by the producer's loads (NEW_VALUES_T): v's token and head strides (its values of a
+    # head are contiguous, as its TMA descriptor has them).
+    new_value_strides = (p.v.stride(0), p.v.stride(1)) if p.v is not None else (0, 0)
     scalars = (qk_scale, out_scale_value, k_scale, v_scale, softcap, opts.sliding_window or 0, B, T, p.cache.num_blocks,
                table.shape[1], group, p.q.stride(0), p.q.stride(1), p.out.stride(0), p.out.stride(1),
-               table.stride(0), *split_strides, p.num_kv_heads * D, value_row_stride)
+               table.stride(0), *split_strides, p.num_kv_heads * D, value_row_stride, *new_value_strides)
     schedule = resolve_schedule(shape, config, schedule)
+    if schedule["NEW_VALUES_T"] and p.v is not None and p.v.stride(0) * config.block_n >= 2**31:
+        # The producer's offsets within a tile of new values are 32-bit (registers beside its key loads).
+        raise ValueError(f"NEW_VALUES_T: v's token stride ({p.v.stride(0)} elements) times block_n "
+                         f"({config.block_n}) must stay below 2**31; run without NEW_VALUES_T")
     wide = schedule["WIDE_PRODUCER"]
     # A producer warpgroup that holds tiles in registers: widening FP8 tiles, or loading split keys.
-    holds_tiles = schedule["PRODUCER_WIDENS"] or schedule["KEY_LOADS"]
+    holds_tiles = schedule["PRODUCER_WIDENS"] or schedule["KEY_LOADS"] or schedule["NEW_VALUES_T"]
     chunk = key_chunk(schedule)
     wide_chunks = schedule.pop("WIDE_KEY_CHUNKS")  # the kernel takes the chunk's keys as KEY_LOADS
     constexprs = dict(
