@@ -245,9 +245,9 @@ def _plain_tensors(p: PrefillProblem) -> list:
     v_scale = c.v_scale if fp8 and isinstance(c.v_scale, torch.Tensor) else q
     new_values = q if p.v is None else p.v  # read by the producer's loads under NEW_VALUES_T
     return [q, p.out, None, None, None, None, None, keys, values, new_values, b.block_table, b.query_start,
-            b.seq_lens,
-            b.context_lens, q if o.alibi_slopes is None else o.alibi_slopes, q if o.sinks is None else o.sinks,
-            out_scale if isinstance(out_scale, torch.Tensor) else q, k_scale, v_scale]
+            b.seq_lens, b.context_lens, q if o.alibi_slopes is None else o.alibi_slopes,
+            q if o.sinks is None else o.sinks, out_scale if isinstance(out_scale, torch.Tensor) else q, k_scale,
+            v_scale]
 
 
 #: How the kernel schedules its work (constexprs of the kernel). ``HEAVY_FIRST`` runs each sequence's last
