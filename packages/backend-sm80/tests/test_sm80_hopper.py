@@ -874,6 +874,54 @@ def compile_new_values_transposed() -> dict:
     return out
 
 
+def test_fp8_value_boxes_apply_to_the_split_layouts_fp8_cache():
+    """``FP8_VALUE_BOXES`` (off by default, not yet run) applies to the split layout's FP8 cache only, and the
+    launch's constexprs carry it."""
+    from pagedprefill_sm80.hopper.launch import SCHEDULE, resolve_schedule
+
+    assert not SCHEDULE["FP8_VALUE_BOXES"]
+    boxes = dict(FP8_VALUE_BOXES=True)
+    split8 = shape(layout="split", kv_cache_dtype="fp8_e4m3")
+    assert resolve_schedule(split8, hopper_config(split8), boxes)["FP8_VALUE_BOXES"]
+    assert not resolve_schedule(split8, hopper_config(split8))["FP8_VALUE_BOXES"]
+    for other in (shape(layout="split"), shape(layout="nhd", kv_cache_dtype="fp8_e4m3")):
+        assert not resolve_schedule(other, hopper_config(other), boxes)["FP8_VALUE_BOXES"]
+    problem = make_problem(SPEC.replace(layout="split", kv_cache_dtype="fp8_e4m3"))
+    assert kernel_call(problem, hopper_config(split8), split8, boxes).constexprs["FP8_VALUE_BOXES"]
+
+
+def test_fp8_value_boxes_compile_for_sm90_with_page_boxes_instead_of_copies():
+    """The split layout's FP8 tile at head sizes 128 and 64 (e5m2) under ``FP8_VALUE_BOXES``: no spills, the same
+    shared memory, and the cached values' 16-byte copies replaced by TMA boxes (half the copies, more boxes)."""
+    code = ("import json, test_sm80_hopper as t; print('BOXES', json.dumps(t.compile_fp8_value_boxes()))")
+    proc = run_child(code)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    summaries = __import__("json").loads(next(x for x in proc.stdout.splitlines() if x.startswith("BOXES "))[6:])
+    assert sorted(summaries) == ["128", "64"], summaries
+    for head_size, (boxes, copies) in summaries.items():
+        assert boxes["spill_bytes"] in (0, None) and boxes["wgmma"] > 0, (head_size, boxes)
+        assert boxes["shared_bytes"] == copies["shared_bytes"], head_size
+        assert boxes["async_copies"] < copies["async_copies"] and boxes["tma_copies"] > copies["tma_copies"], \
+            (head_size, boxes, copies)
+
+
+def compile_fp8_value_boxes() -> dict:
+    """Codegen summaries of split FP8 calls with and without ``FP8_VALUE_BOXES``, by head size."""
+    from pagedprefill.triton.codegen import compile_call, summarize
+    from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
+
+    out = {}
+    for head_size, cache in ((128, "fp8_e4m3"), (64, "fp8_e5m2")):
+        problem = make_problem(SPEC.replace(layout="split", head_size=head_size, kv_cache_dtype=cache,
+                                            query_lens=(400, 300), context_lens=(500, 0)))
+        s = problem_shape(problem)
+        config = hopper_config(s)
+        out[str(head_size)] = [
+            summarize(compile_call(hopper_prefill_kernel, kernel_call(problem, config, s, dict(FP8_VALUE_BOXES=b)),
+                                   90), 90).to_dict() for b in (True, False)]
+    return out
+
+
 def test_thread_arrivals_apply_where_the_consumers_hand_back_after_their_mmas():
     """``THREAD_ARRIVALS`` (off by default: level in run 13) applies on both layouts, 16-bit and FP8 caches that
     the producer widens; not where each consumer widens its own FP8 copies (their hand-back follows the barrier

@@ -372,7 +372,7 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
               SPLIT: gl.constexpr, X: gl.constexpr, HEAD_DIM: gl.constexpr, VT_COPIES: gl.constexpr,
               WARPS: gl.constexpr, PRODUCER_WIDENS: gl.constexpr, KEY_LOADS: gl.constexpr,
               VALUES_FIRST: gl.constexpr, EARLY_KEYS: gl.constexpr, F32_WIDENING: gl.constexpr,
-              NEW_VALUES_T: gl.constexpr):
+              NEW_VALUES_T: gl.constexpr, FP8_VALUE_BOXES: gl.constexpr):
     """Fill the ring: for each key tile, wait until its buffer is free, then issue the copies of K and V and
     let the ``ready`` barrier count their bytes (TMA) and their completion (asynchronous copies).
 
@@ -394,7 +394,9 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
 
     ``NEW_VALUES_T`` (split layout): the new tokens' values are loaded by the producer's warps and stored
     transposed into the V^T ring (``new_values``: the pointer and strides of ``v``; rows from ``num_tokens`` on
-    read as zeros), before the tile's key box is issued; there is no V ring.
+    read as zeros), before the tile's key box is issued; there is no V ring. ``FP8_VALUE_BOXES`` (split layout,
+    FP8 cache): the cached values come into the FP8 ring by one unswizzled TMA box per page instead of 16-byte
+    copies.
     """
     gl.static_assert(not EARLY_KEYS or (SPLIT and KEY_LOADS > 0 and not PRODUCER_WIDENS and BLOCK_N <= 2 * KEY_LOADS),
                      "EARLY_KEYS: the split layout's 16-bit key loads, a tile of one or two chunks")
@@ -408,11 +410,11 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
     col = kv_head * HEAD_DIM
     if PRODUCER_WIDENS:  # the first FP8 tiles in flight before any 16-bit buffer is free
         for j in range(gl.minimum(cache_tiles, STAGES)):
-            # (The split layout's FP8 values come by 16-byte copies: a page of 16 FP8 slots is narrower than
-            # the narrowest swizzled box.)
+            # (The split layout's FP8 values come by 16-byte copies, or by unswizzled page boxes with
+            # FP8_VALUE_BOXES: a page of 16 FP8 slots is narrower than the narrowest swizzle, 32 bytes.)
             _cached_tile(loads, table, kv_head, col, cache_start + j * BLOCK_N, v_rows_per_block, ready8.index(j),
                          k8_smem.index(j), v8_smem.index(j), 2 * CACHE_HALF_BYTES, HEAD_SIZE, PAGE, BLOCK_N, SPLIT, X,
-                         WARPS, HEAD_DIM, True, KEY_LOADS)
+                         WARPS, HEAD_DIM, not FP8_VALUE_BOXES, KEY_LOADS)
     first_new = 0
     if EARLY_KEYS:
         # The cached tiles first, each one's keys loaded before its buffer is free; then the new tokens' tiles.
@@ -445,7 +447,7 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
                 if it + STAGES < cache_tiles:
                     _cached_tile(loads, table, kv_head, col, cache_start + (it + STAGES) * BLOCK_N, v_rows_per_block,
                                  ready8.index(s), k8_smem.index(s), v8_smem.index(s), 2 * CACHE_HALF_BYTES, HEAD_SIZE,
-                                 PAGE, BLOCK_N, SPLIT, X, WARPS, HEAD_DIM, True, KEY_LOADS)
+                                 PAGE, BLOCK_N, SPLIT, X, WARPS, HEAD_DIM, not FP8_VALUE_BOXES, KEY_LOADS)
                 mbarrier.arrive(ready.index(s), count=1)
             elif SPLIT:
                 _split_cached_tile(split_keys, split_values, v_cache_t, table, kv_head, col,
@@ -773,8 +775,8 @@ def hopper_prefill_kernel(
     FP8_CACHE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, HEAD_DIM: gl.constexpr,
     VT_COPIES: gl.constexpr, WIDE_PRODUCER: gl.constexpr, SHARED_V: gl.constexpr, PRODUCER_WIDENS: gl.constexpr,
     KEY_LOADS: gl.constexpr, VALUES_FIRST: gl.constexpr, EARLY_KEYS: gl.constexpr, F32_WIDENING: gl.constexpr,
-    THREAD_ARRIVALS: gl.constexpr, NEW_VALUES_T: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
+    THREAD_ARRIVALS: gl.constexpr, NEW_VALUES_T: gl.constexpr, FP8_VALUE_BOXES: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Prefix-prefill attention of one query tile on sm90 (see the module docstring).
 
@@ -805,7 +807,8 @@ def hopper_prefill_kernel(
     arrival of its own, without a barrier among the consumer's warps first (:func:`_hand_back`).
     ``NEW_VALUES_T`` (split layout, 16-bit cache): the producer stores the new tokens' values transposed into the
     V^T ring (``V_new`` is ``v`` itself, with its token and head strides ``stride_vt``/``stride_vh``), so there is
-    no V ring (:func:`_new_values_transposed`).
+    no V ring (:func:`_new_values_transposed`). ``FP8_VALUE_BOXES`` (split layout, FP8 cache): the cached values
+    come by one unswizzled TMA box per page (``v_cache_t`` describes the FP8 cache) instead of 16-byte copies.
     """
     TOKENS_PER_TILE: gl.constexpr = BLOCK_M // HEADS_PER_TILE
     tile = gl.program_id(0)
@@ -877,7 +880,15 @@ def hopper_prefill_kernel(
         c_dtype: gl.constexpr = k_cache.dtype
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_SIZE], c_dtype)
         k8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, BLOCK_N, HEAD_SIZE], c_layout)
-        if SPLIT:  # the values as V^T pages, [D, BLOCK_N]
+        if SPLIT and FP8_VALUE_BOXES:  # the values as V^T pages, [D, BLOCK_N], in the page boxes' layout
+            if HEAD_DIM < HEAD_SIZE:  # the boxes' rank-3 layout, seen as the [D, BLOCK_N] tile it fills
+                v8_layout: gl.constexpr = gl.NVMMASharedLayout(
+                    swizzle_byte_width=v_cache_t.layout.swizzle_byte_width,
+                    element_bitwidth=c_dtype.primitive_bitwidth, rank=2)
+            else:
+                v8_layout: gl.constexpr = v_cache_t.layout
+            v8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, HEAD_SIZE, BLOCK_N], v8_layout)
+        elif SPLIT:  # the values as V^T pages, [D, BLOCK_N], by 16-byte copies
             v8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, HEAD_SIZE, BLOCK_N],
                                                 gl.NVMMASharedLayout.get_default_for([HEAD_SIZE, BLOCK_N], c_dtype))
         else:
@@ -948,7 +959,8 @@ def hopper_prefill_kernel(
                          THREAD_ARRIVALS, NEW_VALUES_T)),
             (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk, new_values,
                          num_tokens, HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
-                         PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES, EARLY_KEYS, F32_WIDENING, NEW_VALUES_T)),
+                         PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES, EARLY_KEYS, F32_WIDENING, NEW_VALUES_T,
+                         FP8_VALUE_BOXES)),
         ], [LAUNCH_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -960,5 +972,6 @@ def hopper_prefill_kernel(
                          THREAD_ARRIVALS, NEW_VALUES_T)),
             (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk, new_values,
                          num_tokens, HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
-                         PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES, EARLY_KEYS, F32_WIDENING, NEW_VALUES_T)),
+                         PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES, EARLY_KEYS, F32_WIDENING, NEW_VALUES_T,
+                         FP8_VALUE_BOXES)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])

@@ -307,6 +307,11 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: third stage of 128 keys at head size 128 (224 KiB). Compiled for sm90: no spills at head size 256 (64 keys in
 #: 2 stages) or 64; at head sizes 96 and 128 (128-key tiles, whose producer also holds two 64-key chunks of key
 #: loads) its producer spills 24 bytes. Built after run 13, not yet run.
+#: ``FP8_VALUE_BOXES`` (split layout, FP8 cache) brings the cached values into the FP8 ring by one unswizzled TMA
+#: box per page (a head's page of values is one contiguous ``[D, block]`` block: 2 KiB at head size 128) instead of
+#: 16-byte asynchronous copies, each an L2 request of its own: in run 13's profile the split FP8 row made 6 x the NHD
+#: row's L2 requests. The producer's widening reads the ring in any layout. Compiled for sm90: the same shared
+#: memory, no spills at head sizes 64 and 128 (8 bytes at 96). Built after run 13, not yet run.
 #: Run 7 (H200, docs/performance.md): ``PRODUCER_WIDENS`` passed hopper_check.py's 37 cases and was 1.12 x the
 #: consumers widening their own copies on the FP8 row (266.9 vs 238.6 TFLOP/s): on by default.
 #: ``WIDE_PRODUCER`` passed them too and was 0.97 x (355.1 vs 365.8 on the split prefix-cached row): off, but for
@@ -324,7 +329,7 @@ def _plain_tensors(p: PrefillProblem) -> list:
 SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=False, VT_COPIES=False, WIDE_PRODUCER=False,
                 SHARED_V=False, PRODUCER_WIDENS=True, KEY_LOADS=False, VALUES_FIRST=False, WIDE_KEY_CHUNKS=False,
                 EARLY_KEYS=False, F32_WIDENING=True, THREAD_ARRIVALS=False,
-                NEW_VALUES_T=False)
+                NEW_VALUES_T=False, FP8_VALUE_BOXES=False)
 #: Registers per thread of the second consumer partition under ``PINGPONG`` (the first, the kernel's default
 #: partition, keeps what the others leave).
 CONSUMER_REGS = 240
@@ -407,6 +412,8 @@ def resolve_schedule(shape: ProblemShape, config: TileConfig, schedule: Optional
     # The new tokens' values transposed into the V^T ring: the split layout's 16-bit cache (an FP8 cache's
     # V^T ring is widened from its own FP8 ring), not beside SHARED_V's one ring.
     schedule["NEW_VALUES_T"] = bool(schedule["NEW_VALUES_T"]) and split and not fp8 and not schedule["SHARED_V"]
+    # The split layout's FP8 values by page boxes: its FP8 cache (widened by the producer, always, there).
+    schedule["FP8_VALUE_BOXES"] = bool(schedule["FP8_VALUE_BOXES"]) and split and fp8
     return schedule
 
 
