@@ -140,8 +140,8 @@ VARIANTS = [
      dict(HEAVY_FIRST=True, PINGPONG=True, NEW_VALUES_T=True)),
     # Each consumer thread handing a buffer back by an arrival of its own, without a barrier among its warps first.
     ("pingpong-thread-arrivals", {}, dict(HEAVY_FIRST=True, PINGPONG=True, THREAD_ARRIVALS=True)),
-    # The split layout's cached FP8 values by one unswizzled TMA box per page instead of 16-byte copies.
-    ("pingpong-fp8-value-boxes", {}, dict(HEAVY_FIRST=True, PINGPONG=True, FP8_VALUE_BOXES=True)),
+    # The split layout's cached FP8 keys and values by unswizzled TMA boxes instead of 16-byte copies.
+    ("pingpong-fp8-boxes", {}, dict(HEAVY_FIRST=True, PINGPONG=True, FP8_BOXES=True)),
     # Each consumer widening its own copy of an FP8 tile (the default before run 7).
     ("pingpong-consumers-widen", {}, dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=False)),
     # The next tile's Q K^T issued before this tile's softmax: 0.58-0.93 x the policy's schedule in run 12.

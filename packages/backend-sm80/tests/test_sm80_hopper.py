@@ -874,26 +874,36 @@ def compile_new_values_transposed() -> dict:
     return out
 
 
-def test_fp8_value_boxes_apply_to_the_split_layouts_fp8_cache():
-    """``FP8_VALUE_BOXES`` (off by default, not yet run) applies to the split layout's FP8 cache only, and the
-    launch's constexprs carry it."""
+def test_fp8_boxes_apply_to_the_split_layouts_fp8_cache_at_full_head_sizes():
+    """``FP8_BOXES`` (off by default, not yet run) applies to the split layout's FP8 cache at head sizes that fill
+    the tile (not 96, whose padded columns the boxes would leave unwritten), and the launch's constexprs carry it;
+    a key cache the boxes cannot describe (not contiguous from its block dimension in) is refused by name."""
     from pagedprefill_sm80.hopper.launch import SCHEDULE, resolve_schedule
 
-    assert not SCHEDULE["FP8_VALUE_BOXES"]
-    boxes = dict(FP8_VALUE_BOXES=True)
+    assert not SCHEDULE["FP8_BOXES"]
+    boxes = dict(FP8_BOXES=True)
     split8 = shape(layout="split", kv_cache_dtype="fp8_e4m3")
-    assert resolve_schedule(split8, hopper_config(split8), boxes)["FP8_VALUE_BOXES"]
-    assert not resolve_schedule(split8, hopper_config(split8))["FP8_VALUE_BOXES"]
-    for other in (shape(layout="split"), shape(layout="nhd", kv_cache_dtype="fp8_e4m3")):
-        assert not resolve_schedule(other, hopper_config(other), boxes)["FP8_VALUE_BOXES"]
+    assert resolve_schedule(split8, hopper_config(split8), boxes)["FP8_BOXES"]
+    assert not resolve_schedule(split8, hopper_config(split8))["FP8_BOXES"]
+    for other in (shape(layout="split"), shape(layout="nhd", kv_cache_dtype="fp8_e4m3"),
+                  shape(layout="split", kv_cache_dtype="fp8_e4m3", head_size=96)):
+        assert not resolve_schedule(other, hopper_config(other), boxes)["FP8_BOXES"], other
     problem = make_problem(SPEC.replace(layout="split", kv_cache_dtype="fp8_e4m3"))
-    assert kernel_call(problem, hopper_config(split8), split8, boxes).constexprs["FP8_VALUE_BOXES"]
+    assert kernel_call(problem, hopper_config(split8), split8, boxes).constexprs["FP8_BOXES"]
+    # Every other block of a larger cache: the 16-byte copies take it, the boxes' row view does not.
+    key = problem.cache.key
+    wider = torch.empty((2 * key.shape[0], *key.shape[1:]), dtype=key.dtype)[::2]
+    wider.copy_(key)
+    strided = dataclasses.replace(problem, cache=dataclasses.replace(problem.cache, key=wider))
+    assert unfit_reason(strided, hopper_config(split8)) is None
+    with pytest.raises(ValueError, match="FP8_BOXES: key_cache must be contiguous"):
+        kernel_call(strided, hopper_config(split8), split8, boxes)
 
 
-def test_fp8_value_boxes_compile_for_sm90_with_page_boxes_instead_of_copies():
-    """The split layout's FP8 tile at head sizes 128 and 64 (e5m2) under ``FP8_VALUE_BOXES``: no spills, the same
-    shared memory, and the cached values' 16-byte copies replaced by TMA boxes (half the copies, more boxes)."""
-    code = ("import json, test_sm80_hopper as t; print('BOXES', json.dumps(t.compile_fp8_value_boxes()))")
+def test_fp8_boxes_compile_for_sm90_with_tma_boxes_instead_of_copies():
+    """The split layout's FP8 tile at head sizes 128 and 64 (e5m2) under ``FP8_BOXES``: no spills, the same
+    shared memory, and no 16-byte copies left (the cached keys and values come by TMA boxes)."""
+    code = ("import json, test_sm80_hopper as t; print('BOXES', json.dumps(t.compile_fp8_boxes()))")
     proc = run_child(code)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     summaries = __import__("json").loads(next(x for x in proc.stdout.splitlines() if x.startswith("BOXES "))[6:])
@@ -901,12 +911,12 @@ def test_fp8_value_boxes_compile_for_sm90_with_page_boxes_instead_of_copies():
     for head_size, (boxes, copies) in summaries.items():
         assert boxes["spill_bytes"] in (0, None) and boxes["wgmma"] > 0, (head_size, boxes)
         assert boxes["shared_bytes"] == copies["shared_bytes"], head_size
-        assert boxes["async_copies"] < copies["async_copies"] and boxes["tma_copies"] > copies["tma_copies"], \
-            (head_size, boxes, copies)
+        assert boxes["async_copies"] == 0 < copies["async_copies"], (head_size, boxes, copies)
+        assert boxes["tma_copies"] > copies["tma_copies"], (head_size, boxes, copies)
 
 
-def compile_fp8_value_boxes() -> dict:
-    """Codegen summaries of split FP8 calls with and without ``FP8_VALUE_BOXES``, by head size."""
+def compile_fp8_boxes() -> dict:
+    """Codegen summaries of split FP8 calls with and without ``FP8_BOXES``, by head size."""
     from pagedprefill.triton.codegen import compile_call, summarize
     from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
 
@@ -917,8 +927,8 @@ def compile_fp8_value_boxes() -> dict:
         s = problem_shape(problem)
         config = hopper_config(s)
         out[str(head_size)] = [
-            summarize(compile_call(hopper_prefill_kernel, kernel_call(problem, config, s, dict(FP8_VALUE_BOXES=b)),
-                                   90), 90).to_dict() for b in (True, False)]
+            summarize(compile_call(hopper_prefill_kernel, kernel_call(problem, config, s, dict(FP8_BOXES=b)), 90),
+                      90).to_dict() for b in (True, False)]
     return out
 
 

@@ -305,6 +305,30 @@ def _split_value_boxes(v_cache_t, table, kv_head, col, n0, v_rows_per_block, bar
 
 
 @gluon.jit
+def _split_boxed_tile(k_desc, split_keys, v_cache_t, table, kv_head, col, n0, v_rows_per_block, barrier, k_dst, vt_dst,
+                      HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, X: gl.constexpr):
+    """One split-layout tile of cached keys and values by TMA alone (``FP8_BOXES``), counted in bytes by
+    ``barrier``: a page's keys of one head are ``D / X`` contiguous ``[PAGE, X]`` blocks, one box each into a
+    16-byte column of ``k_dst`` (unswizzled, so that a column is one contiguous block too), and its values one
+    V^T box (:func:`_split_value_boxes`). ``k_desc`` describes the key cache as rows of ``X`` elements. (A
+    16-bit K tile read by the MMAs cannot take this: Triton 3.6's warpgroup MMA takes no unswizzled K; an FP8
+    tile is only read by the producer's widening.)"""
+    _, stride_kb, stride_kh, stride_kd = split_keys
+    mbarrier.expect(barrier, 2 * BLOCK_N * HEAD_SIZE * k_dst.dtype.primitive_bitwidth // 8)
+    BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
+    for b in gl.static_range(BLOCK_N // BOX):
+        pos = n0 + b * BOX
+        # The row of (page, head, first d group, slot) among the cache's rows of X elements (the launch checked
+        # that they fit TMA's 32-bit coordinates).
+        row = _pages(table, pos, PAGE) * (stride_kb // X) + kv_head * (stride_kh // X) + pos % PAGE
+        for c in gl.static_range(HEAD_SIZE // X):
+            tma.async_copy_global_to_shared(k_desc, [row + c * (stride_kd // X), 0], barrier,
+                                            k_dst.slice(b * BOX, BOX).slice(c * X, X, dim=1))
+    _split_value_boxes(v_cache_t, table, kv_head, col, n0, v_rows_per_block, barrier, vt_dst, HEAD_SIZE, PAGE,
+                       BLOCK_N, HEAD_SIZE)
+
+
+@gluon.jit
 def _split_cached_tile(split_keys, split_values, v_cache_t, table, kv_head, col, n0, v_rows_per_block, barrier,
                        k_dst, vt_dst, HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
                        X: gl.constexpr, WARPS: gl.constexpr, HEAD_DIM: gl.constexpr, VALUE_COPIES: gl.constexpr,
@@ -352,14 +376,18 @@ def _split_cached_tile(split_keys, split_values, v_cache_t, table, kv_head, col,
 @gluon.jit
 def _cached_tile(loads, table, kv_head, col, n0, v_rows_per_block, barrier, k_dst, v_dst, TILE_BYTES: gl.constexpr,
                  HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr,
-                 X: gl.constexpr, WARPS: gl.constexpr, HEAD_DIM: gl.constexpr, VALUE_COPIES: gl.constexpr,
+                 X: gl.constexpr, WARPS: gl.constexpr, HEAD_DIM: gl.constexpr, BOXES: gl.constexpr,
                  KEY_LOADS: gl.constexpr):
-    """One tile of cached keys and values into ``k_dst`` and ``v_dst`` (V^T in the split layout), completing
-    ``barrier``: TMA boxes per page (NHD, ``TILE_BYTES`` for K and V), or the split layout's copies and boxes."""
+    """One FP8 tile of cached keys and values into ``k_dst`` and ``v_dst`` (V^T in the split layout), completing
+    ``barrier``: TMA boxes per page (NHD, ``TILE_BYTES`` for K and V), the split layout's 16-byte copies, or
+    (``BOXES``) its TMA boxes (:func:`_split_boxed_tile`)."""
     k_cache, v_cache, _, _, v_cache_t, split_keys, split_values = loads
-    if SPLIT:
+    if SPLIT and BOXES:
+        _split_boxed_tile(k_cache, split_keys, v_cache_t, table, kv_head, col, n0, v_rows_per_block, barrier, k_dst,
+                          v_dst, HEAD_SIZE, PAGE, BLOCK_N, X)
+    elif SPLIT:
         _split_cached_tile(split_keys, split_values, v_cache_t, table, kv_head, col, n0, v_rows_per_block, barrier,
-                           k_dst, v_dst, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM, VALUE_COPIES, KEY_LOADS, False,
+                           k_dst, v_dst, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM, True, KEY_LOADS, False,
                            False, k_dst)
     else:
         _cached_boxes(k_cache, v_cache, table, kv_head, col, n0, barrier, k_dst, v_dst, TILE_BYTES, PAGE, BLOCK_N,
@@ -372,7 +400,7 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
               SPLIT: gl.constexpr, X: gl.constexpr, HEAD_DIM: gl.constexpr, VT_COPIES: gl.constexpr,
               WARPS: gl.constexpr, PRODUCER_WIDENS: gl.constexpr, KEY_LOADS: gl.constexpr,
               VALUES_FIRST: gl.constexpr, EARLY_KEYS: gl.constexpr, F32_WIDENING: gl.constexpr,
-              NEW_VALUES_T: gl.constexpr, FP8_VALUE_BOXES: gl.constexpr):
+              NEW_VALUES_T: gl.constexpr, FP8_BOXES: gl.constexpr):
     """Fill the ring: for each key tile, wait until its buffer is free, then issue the copies of K and V and
     let the ``ready`` barrier count their bytes (TMA) and their completion (asynchronous copies).
 
@@ -394,9 +422,9 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
 
     ``NEW_VALUES_T`` (split layout): the new tokens' values are loaded by the producer's warps and stored
     transposed into the V^T ring (``new_values``: the pointer and strides of ``v``; rows from ``num_tokens`` on
-    read as zeros), before the tile's key box is issued; there is no V ring. ``FP8_VALUE_BOXES`` (split layout,
-    FP8 cache): the cached values come into the FP8 ring by one unswizzled TMA box per page instead of 16-byte
-    copies.
+    read as zeros), before the tile's key box is issued; there is no V ring. ``FP8_BOXES`` (split layout,
+    FP8 cache): the cached keys and values come into the FP8 ring by unswizzled TMA boxes instead of 16-byte
+    copies (:func:`_split_boxed_tile`).
     """
     gl.static_assert(not EARLY_KEYS or (SPLIT and KEY_LOADS > 0 and not PRODUCER_WIDENS and BLOCK_N <= 2 * KEY_LOADS),
                      "EARLY_KEYS: the split layout's 16-bit key loads, a tile of one or two chunks")
@@ -410,11 +438,11 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
     col = kv_head * HEAD_DIM
     if PRODUCER_WIDENS:  # the first FP8 tiles in flight before any 16-bit buffer is free
         for j in range(gl.minimum(cache_tiles, STAGES)):
-            # (The split layout's FP8 values come by 16-byte copies, or by unswizzled page boxes with
-            # FP8_VALUE_BOXES: a page of 16 FP8 slots is narrower than the narrowest swizzle, 32 bytes.)
+            # (The split layout's FP8 keys and values come by 16-byte copies, or by unswizzled TMA boxes with
+            # FP8_BOXES: a page of 16 FP8 slots is narrower than the narrowest swizzle, 32 bytes.)
             _cached_tile(loads, table, kv_head, col, cache_start + j * BLOCK_N, v_rows_per_block, ready8.index(j),
                          k8_smem.index(j), v8_smem.index(j), 2 * CACHE_HALF_BYTES, HEAD_SIZE, PAGE, BLOCK_N, SPLIT, X,
-                         WARPS, HEAD_DIM, not FP8_VALUE_BOXES, KEY_LOADS)
+                         WARPS, HEAD_DIM, FP8_BOXES, KEY_LOADS)
     first_new = 0
     if EARLY_KEYS:
         # The cached tiles first, each one's keys loaded before its buffer is free; then the new tokens' tiles.
@@ -435,7 +463,7 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
         if it < cache_tiles:
             if PRODUCER_WIDENS:
                 mbarrier.wait(ready8.index(s), (it // STAGES) & 1)
-                _widen(k8_smem.index(s), k_dst, HEAD_SIZE, WARPS, F32_WIDENING)
+                _widen(k8_smem.index(s), k_dst, HEAD_SIZE, WARPS, F32_WIDENING, FP8_BOXES)
                 if SPLIT:  # V^T, [D, BLOCK_N]
                     _widen(v8_smem.index(s), vt_smem.index(s), BLOCK_N, WARPS, F32_WIDENING)
                 else:
@@ -447,7 +475,7 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
                 if it + STAGES < cache_tiles:
                     _cached_tile(loads, table, kv_head, col, cache_start + (it + STAGES) * BLOCK_N, v_rows_per_block,
                                  ready8.index(s), k8_smem.index(s), v8_smem.index(s), 2 * CACHE_HALF_BYTES, HEAD_SIZE,
-                                 PAGE, BLOCK_N, SPLIT, X, WARPS, HEAD_DIM, not FP8_VALUE_BOXES, KEY_LOADS)
+                                 PAGE, BLOCK_N, SPLIT, X, WARPS, HEAD_DIM, FP8_BOXES, KEY_LOADS)
                 mbarrier.arrive(ready.index(s), count=1)
             elif SPLIT:
                 _split_cached_tile(split_keys, split_values, v_cache_t, table, kv_head, col,
@@ -492,7 +520,8 @@ def _wait_tile(ready, it, from_cache, WRITTEN: gl.constexpr, STAGES: gl.constexp
 
 
 @gluon.jit
-def _widen(src, dst, COLS: gl.constexpr, NUM_WARPS: gl.constexpr, VIA_F32: gl.constexpr):
+def _widen(src, dst, COLS: gl.constexpr, NUM_WARPS: gl.constexpr, VIA_F32: gl.constexpr,
+           ROWS_FIRST: gl.constexpr = False):
     """Copy an FP8 key or value tile ``src`` (``COLS`` columns: the head size, or the keys of a V^T tile) into
     ``dst`` in the MMA's 16-bit type, exactly (every FP8 value is a bfloat16 and a float16 value; the cache's
     scales are folded into the logits and the output instead). Each thread moves 16 bytes of FP8 at a time.
@@ -500,9 +529,16 @@ def _widen(src, dst, COLS: gl.constexpr, NUM_WARPS: gl.constexpr, VIA_F32: gl.co
     ``VIA_F32`` (a bfloat16 ``dst``): through float16 and float32, every step exact. The direct conversion
     compiles for sm90 to a packed FP8-to-float16 conversion and then one scalar float16-to-bfloat16 conversion
     (``F2F``) per element, which issues on the pipe the softmax's exponentials take; this way the second step is
-    two packed float16-to-float32 additions and one packed float32-to-bfloat16 conversion per pair of elements."""
+    two packed float16-to-float32 additions and one packed float32-to-bfloat16 conversion per pair of elements.
+
+    ``ROWS_FIRST`` (an unswizzled ``src`` of 16-byte columns, ``FP8_BOXES``' keys): a warp's lanes take 32
+    consecutive rows of one column, which lie back to back in shared memory; across the columns of one row they
+    would all hit the same banks."""
     LANES: gl.constexpr = COLS // 16
-    layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // LANES, LANES], [NUM_WARPS, 1], [1, 0])
+    if ROWS_FIRST:
+        layout: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [1, NUM_WARPS], [0, 1])
+    else:
+        layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // LANES, LANES], [NUM_WARPS, 1], [1, 0])
     tile = src.load(layout)
     if VIA_F32:
         tile = tile.to(gl.float16).to(gl.float32)
@@ -775,7 +811,7 @@ def hopper_prefill_kernel(
     FP8_CACHE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, HEAD_DIM: gl.constexpr,
     VT_COPIES: gl.constexpr, WIDE_PRODUCER: gl.constexpr, SHARED_V: gl.constexpr, PRODUCER_WIDENS: gl.constexpr,
     KEY_LOADS: gl.constexpr, VALUES_FIRST: gl.constexpr, EARLY_KEYS: gl.constexpr, F32_WIDENING: gl.constexpr,
-    THREAD_ARRIVALS: gl.constexpr, NEW_VALUES_T: gl.constexpr, FP8_VALUE_BOXES: gl.constexpr,
+    THREAD_ARRIVALS: gl.constexpr, NEW_VALUES_T: gl.constexpr, FP8_BOXES: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Prefix-prefill attention of one query tile on sm90 (see the module docstring).
@@ -807,8 +843,9 @@ def hopper_prefill_kernel(
     arrival of its own, without a barrier among the consumer's warps first (:func:`_hand_back`).
     ``NEW_VALUES_T`` (split layout, 16-bit cache): the producer stores the new tokens' values transposed into the
     V^T ring (``V_new`` is ``v`` itself, with its token and head strides ``stride_vt``/``stride_vh``), so there is
-    no V ring (:func:`_new_values_transposed`). ``FP8_VALUE_BOXES`` (split layout, FP8 cache): the cached values
-    come by one unswizzled TMA box per page (``v_cache_t`` describes the FP8 cache) instead of 16-byte copies.
+    no V ring (:func:`_new_values_transposed`). ``FP8_BOXES`` (split layout, FP8 cache, a head size that is a
+    power of two): the cached keys and values come by unswizzled TMA boxes instead of 16-byte copies, ``k_cache``
+    describing the key cache as rows of ``X`` elements and ``v_cache_t`` the value cache.
     """
     TOKENS_PER_TILE: gl.constexpr = BLOCK_M // HEADS_PER_TILE
     tile = gl.program_id(0)
@@ -879,20 +916,18 @@ def hopper_prefill_kernel(
         # Cached tiles in FP8 as they arrive, and each consumer's own 16-bit copy of the tile it works on.
         c_dtype: gl.constexpr = k_cache.dtype
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_SIZE], c_dtype)
-        k8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, BLOCK_N, HEAD_SIZE], c_layout)
-        if SPLIT and FP8_VALUE_BOXES:  # the values as V^T pages, [D, BLOCK_N], in the page boxes' layout
-            if HEAD_DIM < HEAD_SIZE:  # the boxes' rank-3 layout, seen as the [D, BLOCK_N] tile it fills
-                v8_layout: gl.constexpr = gl.NVMMASharedLayout(
-                    swizzle_byte_width=v_cache_t.layout.swizzle_byte_width,
-                    element_bitwidth=c_dtype.primitive_bitwidth, rank=2)
-            else:
-                v8_layout: gl.constexpr = v_cache_t.layout
-            v8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, HEAD_SIZE, BLOCK_N], v8_layout)
-        elif SPLIT:  # the values as V^T pages, [D, BLOCK_N], by 16-byte copies
-            v8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, HEAD_SIZE, BLOCK_N],
-                                                gl.NVMMASharedLayout.get_default_for([HEAD_SIZE, BLOCK_N], c_dtype))
+        gl.static_assert(not FP8_BOXES or (SPLIT and HEAD_DIM == HEAD_SIZE),
+                         "FP8_BOXES: the split layout's FP8 cache at a head size that is a power of two")
+        if FP8_BOXES:  # in the boxes' unswizzled layouts: keys [BLOCK_N, D], values as V^T pages [D, BLOCK_N]
+            k8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, BLOCK_N, HEAD_SIZE], k_cache.layout)
+            v8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, HEAD_SIZE, BLOCK_N], v_cache_t.layout)
         else:
-            v8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, BLOCK_N, HEAD_SIZE], c_layout)
+            k8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, BLOCK_N, HEAD_SIZE], c_layout)
+            if SPLIT:  # the values as V^T pages, [D, BLOCK_N], by 16-byte copies
+                v8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, HEAD_SIZE, BLOCK_N],
+                                                    gl.NVMMASharedLayout.get_default_for([HEAD_SIZE, BLOCK_N], c_dtype))
+            else:
+                v8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, BLOCK_N, HEAD_SIZE], c_layout)
         if PRODUCER_WIDENS:  # widened once, into the 16-bit ring: no copies of the consumers' own
             kc_smem = k_smem
             vc_smem = v_smem
@@ -960,7 +995,7 @@ def hopper_prefill_kernel(
             (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk, new_values,
                          num_tokens, HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
                          PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES, EARLY_KEYS, F32_WIDENING, NEW_VALUES_T,
-                         FP8_VALUE_BOXES)),
+                         FP8_BOXES)),
         ], [LAUNCH_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -973,5 +1008,5 @@ def hopper_prefill_kernel(
             (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk, new_values,
                          num_tokens, HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
                          PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES, EARLY_KEYS, F32_WIDENING, NEW_VALUES_T,
-                         FP8_VALUE_BOXES)),
+                         FP8_BOXES)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])

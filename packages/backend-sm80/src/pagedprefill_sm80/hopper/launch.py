@@ -187,9 +187,11 @@ def _value_pages_descriptor(value: torch.Tensor, width: int, box: int, swizzle: 
                             layout)
 
 
-def call_tensors(p: PrefillProblem, config: TileConfig) -> tuple:
+def call_tensors(p: PrefillProblem, config: TileConfig, schedule: Optional[dict] = None) -> tuple:
     """The kernel's tensor arguments (TMA descriptors for K/V) in signature order; placeholders (an
-    argument of the same kind that the kernel does not read) where a layout or feature does not use one."""
+    argument of the same kind that the kernel does not read) where a layout or feature does not use one.
+    ``schedule`` (resolved, :func:`resolve_schedule`): under ``FP8_BOXES`` the split layout's FP8 key cache is
+    described too, as rows of ``x`` elements."""
     c = p.cache
     D = p.head_size
     box = min(c.block_size, config.block_n)
@@ -210,6 +212,15 @@ def call_tensors(p: PrefillProblem, config: TileConfig) -> tuple:
         else:  # a padded head: boxes of the tile's width from the rank-3 view, zeros past the head
             v_cache_t = _value_pages_descriptor(value, width, box, swizzle)
         k_cache = v_cache = v_cache_t
+        if schedule and schedule.get("FP8_BOXES"):
+            # [blocks, Hkv, D / x, block, x] as rows of x elements: a page's keys of one head are D / x
+            # contiguous [block, x] blocks of 16 bytes' width, one unswizzled box each.
+            key = as_stored_type(c.key, c.dtype)
+            if _tma_2d(key, 3, (4,)) is None:
+                raise ValueError("FP8_BOXES: key_cache must be contiguous from its block dimension in, 16-byte "
+                                 f"aligned, with at most {MAX_ROWS} rows of x elements; got strides "
+                                 f"{tuple(c.key.stride())} for shape {tuple(c.key.shape)}")
+            k_cache = _descriptor(key, 3, (4,), [box, key.shape[4]], swizzle=0)
     else:
         # FP8 caches hold bytes: described as the FP8 type they store, which the kernel widens.
         key, value = as_stored_type(c.key, c.dtype), as_stored_type(c.value, c.dtype)
@@ -307,11 +318,14 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: third stage of 128 keys at head size 128 (224 KiB). Compiled for sm90: no spills at head size 256 (64 keys in
 #: 2 stages) or 64; at head sizes 96 and 128 (128-key tiles, whose producer also holds two 64-key chunks of key
 #: loads) its producer spills 24 bytes. Built after run 13, not yet run.
-#: ``FP8_VALUE_BOXES`` (split layout, FP8 cache) brings the cached values into the FP8 ring by one unswizzled TMA
-#: box per page (a head's page of values is one contiguous ``[D, block]`` block: 2 KiB at head size 128) instead of
-#: 16-byte asynchronous copies, each an L2 request of its own: in run 13's profile the split FP8 row made 6 x the NHD
-#: row's L2 requests. The producer's widening reads the ring in any layout. Compiled for sm90: the same shared
-#: memory, no spills at head sizes 64 and 128 (8 bytes at 96). Built after run 13, not yet run.
+#: ``FP8_BOXES`` (split layout, FP8 cache, head sizes 64 and 128) brings the cached keys and values into the FP8
+#: ring by unswizzled TMA boxes instead of 16-byte asynchronous copies, each an L2 request of its own (in run 13's
+#: profile the split FP8 row made 6 x the NHD row's L2 requests): a head's page of values is one contiguous
+#: ``[D, block]`` block (one box), its keys ``D / 16`` contiguous ``[block, 16]`` blocks (one box each, into one
+#: 16-byte column of the unswizzled FP8 K tile). The producer's widening reads the FP8 ring in any layout; a 16-bit
+#: K tile cannot be read that way by Triton 3.6's warpgroup MMA ("Failed to find a valid layout" for an
+#: unswizzled K), so the 16-bit split layout keeps its key loads. Compiled for sm90 with the same shared memory
+#: and no spills. Built after run 13, not yet run.
 #: Run 7 (H200, docs/performance.md): ``PRODUCER_WIDENS`` passed hopper_check.py's 37 cases and was 1.12 x the
 #: consumers widening their own copies on the FP8 row (266.9 vs 238.6 TFLOP/s): on by default.
 #: ``WIDE_PRODUCER`` passed them too and was 0.97 x (355.1 vs 365.8 on the split prefix-cached row): off, but for
@@ -329,7 +343,7 @@ def _plain_tensors(p: PrefillProblem) -> list:
 SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=False, VT_COPIES=False, WIDE_PRODUCER=False,
                 SHARED_V=False, PRODUCER_WIDENS=True, KEY_LOADS=False, VALUES_FIRST=False, WIDE_KEY_CHUNKS=False,
                 EARLY_KEYS=False, F32_WIDENING=True, THREAD_ARRIVALS=False,
-                NEW_VALUES_T=False, FP8_VALUE_BOXES=False)
+                NEW_VALUES_T=False, FP8_BOXES=False)
 #: Registers per thread of the second consumer partition under ``PINGPONG`` (the first, the kernel's default
 #: partition, keeps what the others leave).
 CONSUMER_REGS = 240
@@ -412,8 +426,9 @@ def resolve_schedule(shape: ProblemShape, config: TileConfig, schedule: Optional
     # The new tokens' values transposed into the V^T ring: the split layout's 16-bit cache (an FP8 cache's
     # V^T ring is widened from its own FP8 ring), not beside SHARED_V's one ring.
     schedule["NEW_VALUES_T"] = bool(schedule["NEW_VALUES_T"]) and split and not fp8 and not schedule["SHARED_V"]
-    # The split layout's FP8 values by page boxes: its FP8 cache (widened by the producer, always, there).
-    schedule["FP8_VALUE_BOXES"] = bool(schedule["FP8_VALUE_BOXES"]) and split and fp8
+    # The split layout's FP8 keys and values by TMA boxes: its FP8 cache (widened by the producer, always, there)
+    # at head sizes that fill the tile (a padded head's columns past it would need zeros written).
+    schedule["FP8_BOXES"] = bool(schedule["FP8_BOXES"]) and split and fp8 and shape.head_size not in PADDED_HEADS
     return schedule
 
 
@@ -481,7 +496,8 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
     )
     # Under PINGPONG the launch's warps are the default partition's: the first consumer warpgroup.
     warps = config.num_warps // 2 if schedule["PINGPONG"] else config.num_warps
-    return KernelCall(launch_grid(shape, config), call_tensors(p, config), scalars, constexprs, dict(num_warps=warps))
+    return KernelCall(launch_grid(shape, config), call_tensors(p, config, schedule), scalars, constexprs,
+                      dict(num_warps=warps))
 
 
 def launch_hopper(problem: PrefillProblem, config: TileConfig, shape: ProblemShape, schedule: Optional[dict] = None):
