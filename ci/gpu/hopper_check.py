@@ -212,7 +212,7 @@ def timings(info, backend, reps: int, quick: bool, block_size: int = 0, only: tu
     ``part`` = (i, n): only every n-th (workload, layout) pair from the i-th on. ``compile_only``: launch each
     plan once and time nothing (for :func:`warm_compiles`, which fills Triton's cache side by side)."""
     from pagedprefill.backends.triton_base import problem_shape
-    from pagedprefill_sm80.hopper.launch import bind_hopper
+    from pagedprefill_sm80.hopper.launch import bind_hopper, shared_bytes
     from pagedprefill_sm80.policy import hopper_config, hopper_unfit_reason
 
     ref = get_registry().get("reference")
@@ -245,7 +245,11 @@ def timings(info, backend, reps: int, quick: bool, block_size: int = 0, only: tu
             try:
                 if hopper_unfit_reason(shape, info) is not None:
                     raise RuntimeError(hopper_unfit_reason(shape, info))
-                columns.append(bind_hopper(problem, hopper_config(shape).with_(**tile), shape, schedule))
+                config = hopper_config(shape).with_(**tile)
+                # The variant's own tile and schedule against the shared-memory model, before Triton says so.
+                if shared_bytes(shape, config, schedule) > info.max_shared_mem:
+                    raise RuntimeError(f"{shared_bytes(shape, config, schedule) // 1024} KiB of shared memory")
+                columns.append(bind_hopper(problem, config, shape, schedule))
             except Exception as exc:
                 columns.append(f"- ({type(exc).__name__}: {str(exc)[:60]})")
         if compile_only:
