@@ -187,7 +187,7 @@ def _value_pages_descriptor(value: torch.Tensor, width: int, box: int, swizzle: 
                             layout)
 
 
-def call_tensors(p: PrefillProblem, config: TileConfig, schedule: Optional[dict] = None) -> tuple:
+def call_tensors(p: PrefillProblem, config: TileConfig, schedule: dict) -> tuple:
     """The kernel's tensor arguments (TMA descriptors for K/V) in signature order; placeholders (an
     argument of the same kind that the kernel does not read) where a layout or feature does not use one.
     ``schedule`` (resolved, :func:`resolve_schedule`): under ``FP8_BOXES`` the split layout's FP8 key cache is
@@ -212,7 +212,7 @@ def call_tensors(p: PrefillProblem, config: TileConfig, schedule: Optional[dict]
         else:  # a padded head: boxes of the tile's width from the rank-3 view, zeros past the head
             v_cache_t = _value_pages_descriptor(value, width, box, swizzle)
         k_cache = v_cache = v_cache_t
-        if schedule and schedule.get("FP8_BOXES"):
+        if schedule["FP8_BOXES"]:
             # [blocks, Hkv, D / x, block, x] as rows of x elements: a page's keys of one head are D / x
             # contiguous [block, x] blocks of 16 bytes' width, one unswizzled box each.
             key = as_stored_type(c.key, c.dtype)
