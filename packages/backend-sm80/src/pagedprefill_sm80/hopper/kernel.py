@@ -286,9 +286,13 @@ def _cached_boxes(k_cache, v_cache, table, kv_head, col, n0, barrier, k_dst, v_d
 
 @gluon.jit
 def _split_value_boxes(v_cache_t, table, kv_head, col, n0, v_rows_per_block, barrier, vt_dst,
-                       HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+                       HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       PAGE_BLOCKS: gl.constexpr = False):
     """One split-layout tile of cached values into ``vt_dst`` as V^T (``[D, BLOCK_N]``), one TMA box per page,
-    counted in bytes by ``barrier``."""
+    counted in bytes by ``barrier``. ``PAGE_BLOCKS`` (``FP8_BOXES``): ``vt_dst`` holds the pages' ``[D, box]``
+    blocks one after another (``[BLOCK_N / box x D, box]``, :func:`_widen`'s ``BLOCK_WIDTH``), so that every box
+    lands on a whole block; a column slice of an unswizzled ``[D, BLOCK_N]`` tile is not contiguous, and a TMA
+    destination must be (and 128-byte aligned)."""
     BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
     for b in gl.static_range(BLOCK_N // BOX):
         pos = n0 + b * BOX
@@ -301,31 +305,38 @@ def _split_value_boxes(v_cache_t, table, kv_head, col, n0, v_rows_per_block, bar
             tma.async_copy_global_to_shared(v_cache_t, [page_row, 0, pos % PAGE], barrier, vt3)
         else:
             row = _pages(table, pos, PAGE) * v_rows_per_block + col
-            tma.async_copy_global_to_shared(v_cache_t, [row, pos % PAGE], barrier, vt_dst.slice(b * BOX, BOX, dim=1))
+            if PAGE_BLOCKS:
+                page_dst = vt_dst.slice(b * HEAD_SIZE, HEAD_SIZE)
+            else:
+                page_dst = vt_dst.slice(b * BOX, BOX, dim=1)
+            tma.async_copy_global_to_shared(v_cache_t, [row, pos % PAGE], barrier, page_dst)
 
 
 @gluon.jit
 def _split_boxed_tile(k_desc, split_keys, v_cache_t, table, kv_head, col, n0, v_rows_per_block, barrier, k_dst, vt_dst,
                       HEAD_SIZE: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, X: gl.constexpr):
     """One split-layout tile of cached keys and values by TMA alone (``FP8_BOXES``), counted in bytes by
-    ``barrier``: a page's keys of one head are ``D / X`` contiguous ``[PAGE, X]`` blocks, one box each into a
-    16-byte column of ``k_dst`` (unswizzled, so that a column is one contiguous block too), and its values one
-    V^T box (:func:`_split_value_boxes`). ``k_desc`` describes the key cache as rows of ``X`` elements. (A
-    16-bit K tile read by the MMAs cannot take this: Triton 3.6's warpgroup MMA takes no unswizzled K; an FP8
-    tile is only read by the producer's widening.)"""
-    _, stride_kb, stride_kh, stride_kd = split_keys
+    ``barrier``: a page's keys of one head are ``D / X`` contiguous ``[PAGE, X]`` blocks, together one box
+    ``[D / X, box, X]`` into ``k_dst``'s block of that page (``[BLOCK_N / box x D / X x box, X]``: the pages one
+    after another), and its values one V^T box into ``vt_dst``'s block of that page (:func:`_split_value_boxes`).
+    ``k_desc`` describes the key cache as ``[pages x heads x D / X, PAGE, X]``. (A 16-bit K tile read by the MMAs
+    cannot take this: Triton 3.6's warpgroup MMA takes no unswizzled K; an FP8 tile is only read by the
+    producer's widening.)"""
+    _, stride_kb, stride_kh, _ = split_keys
     mbarrier.expect(barrier, 2 * BLOCK_N * HEAD_SIZE * k_dst.dtype.primitive_bitwidth // 8)
     BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
+    COLUMNS: gl.constexpr = HEAD_SIZE // X
     for b in gl.static_range(BLOCK_N // BOX):
         pos = n0 + b * BOX
-        # The row of (page, head, first d group, slot) among the cache's rows of X elements (the launch checked
-        # that they fit TMA's 32-bit coordinates).
-        row = _pages(table, pos, PAGE) * (stride_kb // X) + kv_head * (stride_kh // X) + pos % PAGE
-        for c in gl.static_range(HEAD_SIZE // X):
-            tma.async_copy_global_to_shared(k_desc, [row + c * (stride_kd // X), 0], barrier,
-                                            k_dst.slice(b * BOX, BOX).slice(c * X, X, dim=1))
+        # The first column of (page, head) among the cache's [PAGE, X] blocks (the launch checked that the
+        # cache is contiguous from its block dimension in, so the head's D / X columns follow it, and that they
+        # fit TMA's 32-bit coordinates).
+        first = _pages(table, pos, PAGE) * (stride_kb // (PAGE * X)) + kv_head * (stride_kh // (PAGE * X))
+        page_dst = k_dst.slice(b * COLUMNS * BOX, COLUMNS * BOX)._reinterpret(k_dst.dtype, [COLUMNS, BOX, X],
+                                                                              k_desc.layout)
+        tma.async_copy_global_to_shared(k_desc, [first, pos % PAGE, 0], barrier, page_dst)
     _split_value_boxes(v_cache_t, table, kv_head, col, n0, v_rows_per_block, barrier, vt_dst, HEAD_SIZE, PAGE,
-                       BLOCK_N, HEAD_SIZE)
+                       BLOCK_N, HEAD_SIZE, True)
 
 
 @gluon.jit
@@ -463,10 +474,16 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
         if it < cache_tiles:
             if PRODUCER_WIDENS:
                 mbarrier.wait(ready8.index(s), (it // STAGES) & 1)
-                _widen(k8_smem.index(s), k_dst, HEAD_SIZE, WARPS, F32_WIDENING, FP8_BOXES)
-                if SPLIT:  # V^T, [D, BLOCK_N]
-                    _widen(v8_smem.index(s), vt_smem.index(s), BLOCK_N, WARPS, F32_WIDENING)
+                if FP8_BOXES:  # from the boxes' blocks: keys by pages of 16-byte columns, V^T by pages
+                    _widen(k8_smem.index(s), k_dst, HEAD_SIZE, WARPS, F32_WIDENING, X,
+                           BLOCK_N // (PAGE if PAGE < BLOCK_N else BLOCK_N))
+                    _widen(v8_smem.index(s), vt_smem.index(s), BLOCK_N, WARPS, F32_WIDENING,
+                           PAGE if PAGE < BLOCK_N else BLOCK_N)
                 else:
+                    _widen(k8_smem.index(s), k_dst, HEAD_SIZE, WARPS, F32_WIDENING)
+                if SPLIT and not FP8_BOXES:  # V^T, [D, BLOCK_N]
+                    _widen(v8_smem.index(s), vt_smem.index(s), BLOCK_N, WARPS, F32_WIDENING)
+                elif not SPLIT:
                     _widen(v8_smem.index(s), v_smem.index(s), HEAD_SIZE, WARPS, F32_WIDENING)
                 # The stores are ordered before the consumers' MMA reads, and every warp is done with the FP8
                 # slot before the next tile's copies overwrite it.
@@ -521,7 +538,7 @@ def _wait_tile(ready, it, from_cache, WRITTEN: gl.constexpr, STAGES: gl.constexp
 
 @gluon.jit
 def _widen(src, dst, COLS: gl.constexpr, NUM_WARPS: gl.constexpr, VIA_F32: gl.constexpr,
-           ROWS_FIRST: gl.constexpr = False):
+           BLOCK_WIDTH: gl.constexpr = 0, ROW_BLOCKS: gl.constexpr = 1):
     """Copy an FP8 key or value tile ``src`` (``COLS`` columns: the head size, or the keys of a V^T tile) into
     ``dst`` in the MMA's 16-bit type, exactly (every FP8 value is a bfloat16 and a float16 value; the cache's
     scales are folded into the logits and the output instead). Each thread moves 16 bytes of FP8 at a time.
@@ -531,15 +548,20 @@ def _widen(src, dst, COLS: gl.constexpr, NUM_WARPS: gl.constexpr, VIA_F32: gl.co
     (``F2F``) per element, which issues on the pipe the softmax's exponentials take; this way the second step is
     two packed float16-to-float32 additions and one packed float32-to-bfloat16 conversion per pair of elements.
 
-    ``ROWS_FIRST`` (an unswizzled ``src`` of 16-byte columns, ``FP8_BOXES``' keys): a warp's lanes take 32
-    consecutive rows of one column, which lie back to back in shared memory; across the columns of one row they
-    would all hit the same banks."""
-    LANES: gl.constexpr = COLS // 16
-    if ROWS_FIRST:
-        layout: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [1, NUM_WARPS], [0, 1])
+    ``BLOCK_WIDTH`` (``FP8_BOXES``' unswizzled boxes): ``src`` holds ``dst`` in blocks of ``BLOCK_WIDTH`` columns,
+    one after another, and those of ``ROW_BLOCKS`` row blocks after one another (``[ROW_BLOCKS x COLS /
+    BLOCK_WIDTH x rows / ROW_BLOCKS, BLOCK_WIDTH]``). A warp's lanes take consecutive rows of a block, which lie
+    back to back in shared memory, and the registers are put in ``dst``'s order."""
+    if BLOCK_WIDTH:
+        ROWS: gl.constexpr = dst.shape[0]
+        BLOCK_LANES: gl.constexpr = BLOCK_WIDTH // 16
+        blocks: gl.constexpr = gl.BlockedLayout([1, 16], [32 // BLOCK_LANES, BLOCK_LANES], [NUM_WARPS, 1], [1, 0])
+        tile = src.load(blocks).reshape([ROW_BLOCKS, COLS // BLOCK_WIDTH, ROWS // ROW_BLOCKS, BLOCK_WIDTH])
+        tile = tile.permute((0, 2, 1, 3)).reshape([ROWS, COLS])
     else:
+        LANES: gl.constexpr = COLS // 16
         layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // LANES, LANES], [NUM_WARPS, 1], [1, 0])
-    tile = src.load(layout)
+        tile = src.load(layout)
     if VIA_F32:
         tile = tile.to(gl.float16).to(gl.float32)
     dst.store(tile.to(dst.dtype))
@@ -918,9 +940,14 @@ def hopper_prefill_kernel(
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_SIZE], c_dtype)
         gl.static_assert(not FP8_BOXES or (SPLIT and HEAD_DIM == HEAD_SIZE),
                          "FP8_BOXES: the split layout's FP8 cache at a head size that is a power of two")
-        if FP8_BOXES:  # in the boxes' unswizzled layouts: keys [BLOCK_N, D], values as V^T pages [D, BLOCK_N]
-            k8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, BLOCK_N, HEAD_SIZE], k_cache.layout)
-            v8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, HEAD_SIZE, BLOCK_N], v_cache_t.layout)
+        if FP8_BOXES:
+            # One whole block per box, the pages one after another: the keys' [D / X, box, X] (seen as rows of X)
+            # and the values' V^T [D, box].
+            VALUE_BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
+            k8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, HEAD_SIZE // X * BLOCK_N, X],
+                                                gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))
+            v8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, BLOCK_N // VALUE_BOX * HEAD_SIZE, VALUE_BOX],
+                                                v_cache_t.layout)
         else:
             k8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, BLOCK_N, HEAD_SIZE], c_layout)
             if SPLIT:  # the values as V^T pages, [D, BLOCK_N], by 16-byte copies

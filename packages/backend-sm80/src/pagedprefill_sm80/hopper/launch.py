@@ -187,6 +187,24 @@ def _value_pages_descriptor(value: torch.Tensor, width: int, box: int, swizzle: 
                             layout)
 
 
+def _key_pages_fit(key: torch.Tensor) -> bool:
+    """Whether :func:`_key_pages_descriptor` can describe the split layout's keys ``key``."""
+    return _tma_2d(key, 3, (4,)) is not None
+
+
+def _key_pages_descriptor(key: torch.Tensor, box: int):
+    """A TMA descriptor over the split layout's keys ``[blocks, Hkv, D / x, PAGE, x]`` (contiguous from the
+    block dimension in) seen as ``[blocks x Hkv x D / x, PAGE, x]``, copying ``[D / x, box, x]`` at a time: the
+    ``box`` slots of a page's keys of one head, every 16-byte column of them, in one unswizzled box."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    rows, x = _tma_2d(key, 3, (4,))
+    page, columns = key.shape[3], key.shape[2]
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * key.element_size(), rank=3)
+    return TensorDescriptor(key, [rows // page, page, x], [page * x, x, 1], [columns, box, x], layout)
+
+
 def call_tensors(p: PrefillProblem, config: TileConfig, schedule: dict) -> tuple:
     """The kernel's tensor arguments (TMA descriptors for K/V) in signature order; placeholders (an
     argument of the same kind that the kernel does not read) where a layout or feature does not use one.
@@ -213,14 +231,14 @@ def call_tensors(p: PrefillProblem, config: TileConfig, schedule: dict) -> tuple
             v_cache_t = _value_pages_descriptor(value, width, box, swizzle)
         k_cache = v_cache = v_cache_t
         if schedule["FP8_BOXES"]:
-            # [blocks, Hkv, D / x, block, x] as rows of x elements: a page's keys of one head are D / x
-            # contiguous [block, x] blocks of 16 bytes' width, one unswizzled box each.
+            # [blocks, Hkv, D / x, block, x]: a page's keys of one head are D / x contiguous [block, x] blocks of
+            # 16 bytes' width, together one unswizzled box.
             key = as_stored_type(c.key, c.dtype)
-            if _tma_2d(key, 3, (4,)) is None:
+            if not _key_pages_fit(key):
                 raise ValueError("FP8_BOXES: key_cache must be contiguous from its block dimension in, 16-byte "
                                  f"aligned, with at most {MAX_ROWS} rows of x elements; got strides "
                                  f"{tuple(c.key.stride())} for shape {tuple(c.key.shape)}")
-            k_cache = _descriptor(key, 3, (4,), [box, key.shape[4]], swizzle=0)
+            k_cache = _key_pages_descriptor(key, box)
     else:
         # FP8 caches hold bytes: described as the FP8 type they store, which the kernel widens.
         key, value = as_stored_type(c.key, c.dtype), as_stored_type(c.value, c.dtype)
@@ -317,15 +335,24 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: room for 64 keys per step at head size 256 (192 KiB in 2 stages, against 32 keys beside three rings) and for a
 #: third stage of 128 keys at head size 128 (224 KiB). Compiled for sm90: no spills at head size 256 (64 keys in
 #: 2 stages) or 64; at head sizes 96 and 128 (128-key tiles, whose producer also holds two 64-key chunks of key
-#: loads) its producer spills 24 bytes. Built after run 13, not yet run.
+#: loads) its producer spills 24 bytes. Run 14 (H200): it passed ``hopper_check.py`` (44 of 44) and, on 64-key
+#: tiles in 2 stages, the forced-Hopper conformance class (79 passed). At head size 256 on 64-key tiles it ran the
+#: split prefix-cached row at 1.09 x (447.5 vs 411.9 TFLOP/s), chunked 1.05 x, many short 1.06 x, but the window
+#: row at 0.88 x and the long prefill at 0.52 x (247.3 vs 472.0); at head size 128, 0.52-0.94 x. The producer's
+#: loads of the new tokens' values bound every tile of new tokens, and a shape does not tell the policy how much
+#: of a call is cached: off.
 #: ``FP8_BOXES`` (split layout, FP8 cache, head sizes 64 and 128) brings the cached keys and values into the FP8
 #: ring by unswizzled TMA boxes instead of 16-byte asynchronous copies, each an L2 request of its own (in run 13's
 #: profile the split FP8 row made 6 x the NHD row's L2 requests): a head's page of values is one contiguous
-#: ``[D, block]`` block (one box), its keys ``D / 16`` contiguous ``[block, 16]`` blocks (one box each, into one
-#: 16-byte column of the unswizzled FP8 K tile). The producer's widening reads the FP8 ring in any layout; a 16-bit
-#: K tile cannot be read that way by Triton 3.6's warpgroup MMA ("Failed to find a valid layout" for an
-#: unswizzled K), so the 16-bit split layout keeps its key loads. Compiled for sm90 with the same shared memory
-#: and no spills. Built after run 13, not yet run.
+#: ``[D, block]`` block, its keys ``D / 16`` contiguous ``[block, 16]`` blocks, together one ``[D / 16, block, 16]``
+#: box. Each box lands on a whole block of the FP8 ring (the pages one after another), which the producer's
+#: widening reads in that order. A 16-bit K tile cannot be read that way by Triton 3.6's warpgroup MMA ("Failed to
+#: find a valid layout" for an unswizzled K), so the 16-bit split layout keeps its key loads. A key cache that is
+#: not contiguous from its block dimension in takes the copies (:func:`kernel_call`). Run 14 (H200): boxes into
+#: 16-byte column slices of a row-major tile faulted (a TMA destination must be contiguous and 128-byte aligned);
+#: the page boxes passed ``hopper_check.py`` (44 of 44) and the forced-Hopper conformance class (79 passed), and ran
+#: the split FP8 row at 1.16 x (365.0 vs 313.9 TFLOP/s; 1.20 x with 32-slot pages, level at head size 64): the
+#: policy's choice for the split layout's FP8 cache (:func:`pagedprefill_sm80.policy.hopper_schedule`).
 #: Run 7 (H200, docs/performance.md): ``PRODUCER_WIDENS`` passed hopper_check.py's 37 cases and was 1.12 x the
 #: consumers widening their own copies on the FP8 row (266.9 vs 238.6 TFLOP/s): on by default.
 #: ``WIDE_PRODUCER`` passed them too and was 0.97 x (355.1 vs 365.8 on the split prefix-cached row): off, but for
@@ -468,6 +495,10 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
                table.shape[1], group, p.q.stride(0), p.q.stride(1), p.out.stride(0), p.out.stride(1),
                table.stride(0), *split_strides, p.num_kv_heads * D, value_row_stride, *new_value_strides)
     schedule = resolve_schedule(shape, config, schedule)
+    if schedule["FP8_BOXES"] and not _key_pages_fit(p.cache.key):
+        # A key cache that the page boxes cannot describe (not contiguous from its block dimension in) takes the
+        # 16-byte copies, which address any 16-byte aligned strides.
+        schedule["FP8_BOXES"] = False
     if schedule["NEW_VALUES_T"] and p.v is not None and p.v.stride(0) * config.block_n >= 2**31:
         # The producer's offsets within a tile of new values are 32-bit (registers beside its key loads).
         raise ValueError(f"NEW_VALUES_T: v's token stride ({p.v.stride(0)} elements) times block_n "
