@@ -140,8 +140,10 @@ VARIANTS = [
      dict(HEAVY_FIRST=True, PINGPONG=True, NEW_VALUES_T=True)),
     # Each consumer thread handing a buffer back by an arrival of its own, without a barrier among its warps first.
     ("pingpong-thread-arrivals", {}, dict(HEAVY_FIRST=True, PINGPONG=True, THREAD_ARRIVALS=True)),
-    # The split layout's cached FP8 keys and values by unswizzled TMA boxes instead of 16-byte copies.
+    # The split layout's cached FP8 keys and values by unswizzled TMA boxes, one per page each (the policy's since
+    # run 14), and by 16-byte copies, as before.
     ("pingpong-fp8-boxes", {}, dict(HEAVY_FIRST=True, PINGPONG=True, FP8_BOXES=True)),
+    ("pingpong-fp8-copies", {}, dict(HEAVY_FIRST=True, PINGPONG=True, FP8_BOXES=False)),
     # Each consumer widening its own copy of an FP8 tile (the default before run 7).
     ("pingpong-consumers-widen", {}, dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=False)),
     # The next tile's Q K^T issued before this tile's softmax: 0.58-0.93 x the policy's schedule in run 12.
