@@ -144,6 +144,11 @@ VARIANTS = [
     # run 14), and by 16-byte copies, as before.
     ("pingpong-fp8-boxes", {}, dict(HEAVY_FIRST=True, PINGPONG=True, FP8_BOXES=True)),
     ("pingpong-fp8-copies", {}, dict(HEAVY_FIRST=True, PINGPONG=True, FP8_BOXES=False)),
+    # The split layout's cached FP8 values widened into the V ring (no V^T ring), on the policy's tile and on the
+    # 128 keys in 2 stages this makes room for.
+    ("pingpong-widen-to-v", {}, dict(HEAVY_FIRST=True, PINGPONG=True, WIDEN_TO_V=True)),
+    ("pingpong-widen-to-v-n128", dict(block_n=128, num_stages=2), dict(HEAVY_FIRST=True, PINGPONG=True,
+                                                                       WIDEN_TO_V=True)),
     # Each consumer widening its own copy of an FP8 tile (the default before run 7).
     ("pingpong-consumers-widen", {}, dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=False)),
     # The next tile's Q K^T issued before this tile's softmax: 0.58-0.93 x the policy's schedule in run 12.

@@ -816,7 +816,7 @@ def compile_f32_widening() -> dict:
 
 
 def test_new_values_transposed_apply_to_the_split_layouts_16_bit_cache_and_free_its_third_ring(monkeypatch):
-    """``NEW_VALUES_T`` (off by default, not yet run) applies to the split layout's 16-bit cache only (not NHD, an
+    """``NEW_VALUES_T`` (off: run 14 measured it) applies to the split layout's 16-bit cache only (not NHD, an
     FP8 cache or ``SHARED_V``); without the new tokens' V ring a split tile takes NHD's shared memory, so head
     size 256 fits 64 keys in 2 stages and head size 128 fits 128 keys in 3 on an H200; the launch's constexprs
     carry it, and a token stride the producer's 32-bit offsets cannot span is refused by name."""
@@ -943,6 +943,66 @@ def compile_fp8_boxes() -> dict:
         out[str(head_size)] = [
             summarize(compile_call(hopper_prefill_kernel, kernel_call(problem, config, s, dict(FP8_BOXES=b)), 90),
                       90).to_dict() for b in (True, False)]
+    return out
+
+
+def test_widen_to_v_applies_to_the_split_layouts_fp8_cache_and_frees_its_vt_ring():
+    """``WIDEN_TO_V`` (off by default, not yet run) applies to the split layout's FP8 cache only; without the V^T
+    ring a split FP8 tile takes NHD's shared memory, so 128 keys in 2 stages fit on an H200 (they do not beside
+    a V^T ring), and the launch's constexprs carry it."""
+    from pagedprefill_sm80.hopper.launch import SCHEDULE, resolve_schedule, shape_unfit_reason, shared_bytes
+
+    assert not SCHEDULE["WIDEN_TO_V"]
+    flag = dict(WIDEN_TO_V=True)
+    for head_size in (64, 96, 128):
+        split8 = shape(layout="split", kv_cache_dtype="fp8_e4m3", head_size=head_size)
+        assert resolve_schedule(split8, hopper_config(split8), flag)["WIDEN_TO_V"]
+        assert not resolve_schedule(split8, hopper_config(split8))["WIDEN_TO_V"]
+        n128 = hopper_config(split8).with_(block_n=128, num_stages=2)
+        nhd8 = shape(layout="nhd", kv_cache_dtype="fp8_e4m3", head_size=head_size)
+        assert shared_bytes(split8, n128, flag) == shared_bytes(nhd8, n128)
+    assert shared_bytes(split8, n128, flag) <= H200.max_shared_mem < shared_bytes(split8, n128)
+    assert shape_unfit_reason(split8, n128, H200.max_shared_mem) is not None
+    for other in (shape(layout="split"), shape(layout="nhd", kv_cache_dtype="fp8_e4m3")):
+        assert not resolve_schedule(other, hopper_config(other), flag)["WIDEN_TO_V"], other
+    problem = make_problem(SPEC.replace(layout="split", kv_cache_dtype="fp8_e4m3"))
+    s = problem_shape(problem)
+    assert kernel_call(problem, hopper_config(s), s, flag).constexprs["WIDEN_TO_V"]
+    assert not kernel_call(problem, hopper_config(s), s).constexprs["WIDEN_TO_V"]
+
+
+def test_widen_to_v_compiles_for_sm90_on_128_key_tiles():
+    """The split layout's FP8 cache under ``WIDEN_TO_V`` on 128 keys in 2 stages (the tile it makes room for),
+    with the page boxes at head size 128 and the copies at head size 96: warpgroup MMAs, the shared memory the
+    model counts (within an H200's), and no spills where the boxes bring the tile (the copies' 128-key tile
+    spills 40 bytes in the producer)."""
+    code = ("import json, test_sm80_hopper as t; print('WIDENV', json.dumps(t.compile_widen_to_v()))")
+    proc = run_child(code)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    summaries = __import__("json").loads(next(x for x in proc.stdout.splitlines() if x.startswith("WIDENV "))[7:])
+    assert sorted(summaries) == ["128", "96"], summaries
+    for head_size, summary in summaries.items():
+        assert summary["wgmma"] > 0 and summary["shared_bytes"] <= H200.max_shared_mem, (head_size, summary)
+        assert summary["model_bytes"] - 1024 <= summary["shared_bytes"] <= summary["model_bytes"], summary
+    assert summaries["128"]["spill_bytes"] in (0, None) and summaries["128"]["async_copies"] == 0, summaries
+
+
+def compile_widen_to_v() -> dict:
+    """Codegen summaries (and the shared-memory model's bytes) of split FP8 calls under ``WIDEN_TO_V`` on 128 keys
+    in 2 stages, at head sizes 128 (the page boxes) and 96 (the copies)."""
+    from pagedprefill.triton.codegen import compile_call, summarize
+    from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
+    from pagedprefill_sm80.hopper.launch import shared_bytes
+
+    flag = dict(WIDEN_TO_V=True)
+    out = {}
+    for head_size in (128, 96):
+        problem = make_problem(SPEC.replace(layout="split", head_size=head_size, kv_cache_dtype="fp8_e4m3",
+                                            query_lens=(400, 300), context_lens=(500, 0)))
+        s = problem_shape(problem)
+        config = hopper_config(s).with_(block_n=128, num_stages=2)
+        compiled = compile_call(hopper_prefill_kernel, kernel_call(problem, config, s, flag), 90)
+        out[str(head_size)] = {**summarize(compiled, 90).to_dict(), "model_bytes": shared_bytes(s, config, flag)}
     return out
 
 

@@ -411,7 +411,7 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
               SPLIT: gl.constexpr, X: gl.constexpr, HEAD_DIM: gl.constexpr, VT_COPIES: gl.constexpr,
               WARPS: gl.constexpr, PRODUCER_WIDENS: gl.constexpr, KEY_LOADS: gl.constexpr,
               VALUES_FIRST: gl.constexpr, EARLY_KEYS: gl.constexpr, F32_WIDENING: gl.constexpr,
-              NEW_VALUES_T: gl.constexpr, FP8_BOXES: gl.constexpr):
+              NEW_VALUES_T: gl.constexpr, FP8_BOXES: gl.constexpr, WIDEN_TO_V: gl.constexpr):
     """Fill the ring: for each key tile, wait until its buffer is free, then issue the copies of K and V and
     let the ``ready`` barrier count their bytes (TMA) and their completion (asynchronous copies).
 
@@ -435,7 +435,8 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
     transposed into the V^T ring (``new_values``: the pointer and strides of ``v``; rows from ``num_tokens`` on
     read as zeros), before the tile's key box is issued; there is no V ring. ``FP8_BOXES`` (split layout,
     FP8 cache): the cached keys and values come into the FP8 ring by unswizzled TMA boxes instead of 16-byte
-    copies (:func:`_split_boxed_tile`).
+    copies (:func:`_split_boxed_tile`). ``WIDEN_TO_V`` (split layout, FP8 cache): the cached values are widened
+    into the V ring, transposed, where the new tokens' values land; there is no V^T ring.
     """
     gl.static_assert(not EARLY_KEYS or (SPLIT and KEY_LOADS > 0 and not PRODUCER_WIDENS and BLOCK_N <= 2 * KEY_LOADS),
                      "EARLY_KEYS: the split layout's 16-bit key loads, a tile of one or two chunks")
@@ -474,16 +475,17 @@ def _producer(loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, w
         if it < cache_tiles:
             if PRODUCER_WIDENS:
                 mbarrier.wait(ready8.index(s), (it // STAGES) & 1)
-                if FP8_BOXES:  # from the boxes' blocks: keys by pages of 16-byte columns, V^T by pages
-                    _widen(k8_smem.index(s), k_dst, HEAD_SIZE, WARPS, F32_WIDENING, X,
-                           BLOCK_N // (PAGE if PAGE < BLOCK_N else BLOCK_N))
-                    _widen(v8_smem.index(s), vt_smem.index(s), BLOCK_N, WARPS, F32_WIDENING,
-                           PAGE if PAGE < BLOCK_N else BLOCK_N)
+                # FP8_BOXES: from the boxes' blocks, the keys by pages of 16-byte columns, V^T by pages.
+                VALUE_BLOCK: gl.constexpr = (PAGE if PAGE < BLOCK_N else BLOCK_N) if FP8_BOXES else 0
+                if FP8_BOXES:
+                    _widen(k8_smem.index(s), k_dst, HEAD_SIZE, WARPS, F32_WIDENING, X, BLOCK_N // VALUE_BLOCK)
                 else:
                     _widen(k8_smem.index(s), k_dst, HEAD_SIZE, WARPS, F32_WIDENING)
-                if SPLIT and not FP8_BOXES:  # V^T, [D, BLOCK_N]
-                    _widen(v8_smem.index(s), vt_smem.index(s), BLOCK_N, WARPS, F32_WIDENING)
-                elif not SPLIT:
+                if WIDEN_TO_V:  # V^T in FP8, V in the 16-bit ring
+                    _widen(v8_smem.index(s), v_smem.index(s), BLOCK_N, WARPS, F32_WIDENING, VALUE_BLOCK, 1, True)
+                elif SPLIT:  # V^T, [D, BLOCK_N]
+                    _widen(v8_smem.index(s), vt_smem.index(s), BLOCK_N, WARPS, F32_WIDENING, VALUE_BLOCK)
+                else:
                     _widen(v8_smem.index(s), v_smem.index(s), HEAD_SIZE, WARPS, F32_WIDENING)
                 # The stores are ordered before the consumers' MMA reads, and every warp is done with the FP8
                 # slot before the next tile's copies overwrite it.
@@ -538,7 +540,7 @@ def _wait_tile(ready, it, from_cache, WRITTEN: gl.constexpr, STAGES: gl.constexp
 
 @gluon.jit
 def _widen(src, dst, COLS: gl.constexpr, NUM_WARPS: gl.constexpr, VIA_F32: gl.constexpr,
-           BLOCK_WIDTH: gl.constexpr = 0, ROW_BLOCKS: gl.constexpr = 1):
+           BLOCK_WIDTH: gl.constexpr = 0, ROW_BLOCKS: gl.constexpr = 1, TRANSPOSED: gl.constexpr = False):
     """Copy an FP8 key or value tile ``src`` (``COLS`` columns: the head size, or the keys of a V^T tile) into
     ``dst`` in the MMA's 16-bit type, exactly (every FP8 value is a bfloat16 and a float16 value; the cache's
     scales are folded into the logits and the output instead). Each thread moves 16 bytes of FP8 at a time.
@@ -548,23 +550,33 @@ def _widen(src, dst, COLS: gl.constexpr, NUM_WARPS: gl.constexpr, VIA_F32: gl.co
     (``F2F``) per element, which issues on the pipe the softmax's exponentials take; this way the second step is
     two packed float16-to-float32 additions and one packed float32-to-bfloat16 conversion per pair of elements.
 
-    ``BLOCK_WIDTH`` (``FP8_BOXES``' unswizzled boxes): ``src`` holds ``dst`` in blocks of ``BLOCK_WIDTH`` columns,
-    one after another, and those of ``ROW_BLOCKS`` row blocks after one another (``[ROW_BLOCKS x COLS /
+    ``BLOCK_WIDTH`` (``FP8_BOXES``' unswizzled boxes): ``src`` holds the tile in blocks of ``BLOCK_WIDTH``
+    columns, one after another, and those of ``ROW_BLOCKS`` row blocks after one another (``[ROW_BLOCKS x COLS /
     BLOCK_WIDTH x rows / ROW_BLOCKS, BLOCK_WIDTH]``). A warp's lanes take consecutive rows of a block, which lie
-    back to back in shared memory, and the registers are put in ``dst``'s order."""
+    back to back in shared memory, and the registers are put in the tile's order.
+
+    ``TRANSPOSED`` (``WIDEN_TO_V``): ``dst`` holds the tile transposed (V from a V^T tile). Each thread takes four
+    consecutive rows of ``src``, so that it stores four consecutive elements of a ``dst`` row at a time."""
+    if TRANSPOSED:
+        target = dst.permute((1, 0))
+        ROWS_PER_THREAD: gl.constexpr = 4
+    else:
+        target = dst
+        ROWS_PER_THREAD: gl.constexpr = 1
+    ROWS: gl.constexpr = target.shape[0]
     if BLOCK_WIDTH:
-        ROWS: gl.constexpr = dst.shape[0]
         BLOCK_LANES: gl.constexpr = BLOCK_WIDTH // 16
-        blocks: gl.constexpr = gl.BlockedLayout([1, 16], [32 // BLOCK_LANES, BLOCK_LANES], [NUM_WARPS, 1], [1, 0])
+        blocks: gl.constexpr = gl.BlockedLayout([ROWS_PER_THREAD, 16], [32 // BLOCK_LANES, BLOCK_LANES],
+                                                [NUM_WARPS, 1], [1, 0])
         tile = src.load(blocks).reshape([ROW_BLOCKS, COLS // BLOCK_WIDTH, ROWS // ROW_BLOCKS, BLOCK_WIDTH])
         tile = tile.permute((0, 2, 1, 3)).reshape([ROWS, COLS])
     else:
         LANES: gl.constexpr = COLS // 16
-        layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // LANES, LANES], [NUM_WARPS, 1], [1, 0])
+        layout: gl.constexpr = gl.BlockedLayout([ROWS_PER_THREAD, 16], [32 // LANES, LANES], [NUM_WARPS, 1], [1, 0])
         tile = src.load(layout)
     if VIA_F32:
         tile = tile.to(gl.float16).to(gl.float32)
-    dst.store(tile.to(dst.dtype))
+    target.store(tile.to(dst.dtype))
 
 
 @gluon.jit
@@ -633,7 +645,8 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
               OUT_SCALE: gl.constexpr, OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr,
               SPLIT: gl.constexpr, TURNS: gl.constexpr, OVERLAP: gl.constexpr, FP8_CACHE: gl.constexpr,
               K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, HEAD_DIM: gl.constexpr,
-              PRODUCER_WIDENS: gl.constexpr, THREAD_ARRIVALS: gl.constexpr, NEW_VALUES_T: gl.constexpr):
+              PRODUCER_WIDENS: gl.constexpr, THREAD_ARRIVALS: gl.constexpr, NEW_VALUES_T: gl.constexpr,
+              WIDEN_TO_V: gl.constexpr):
     """Consume the ring for rows ``ROW0 .. ROW0 + BLOCK_M`` of the tile (``q_smem`` holds those rows):
     scores, online softmax and ``P V`` per key tile; then normalise and store.
 
@@ -650,7 +663,8 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
     portable kernel: ``k_scale`` into the cached tiles' logit scale, ``v_scale`` into the accumulator once the
     cached tiles are done (they come first). With ``PRODUCER_WIDENS`` the producer has widened the cached tiles
     into the 16-bit ring already: this consumer reads them there, and only folds the scales. ``NEW_VALUES_T``
-    (split layout): every tile's values are in the V^T ring, the new tokens' too.
+    (split layout): every tile's values are in the V^T ring, the new tokens' too. ``WIDEN_TO_V`` (split layout,
+    FP8 cache): every tile's values are in the V ring, the cached ones widened into it by the producer.
     """
     k_smem, v_smem, vt_smem, k8_smem, v8_smem, ready, empty = ring
     kc_smem, vc_smem = widened
@@ -663,6 +677,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
     WIDENS: gl.constexpr = FP8_CACHE and not PRODUCER_WIDENS  # this consumer widens the FP8 tiles itself
     gl.static_assert(not (THREAD_ARRIVALS and WIDENS), "THREAD_ARRIVALS: not with the consumers' own widening")
     WRITTEN: gl.constexpr = SPLIT or PRODUCER_WIDENS  # cached tiles written by the producer's own stores
+    CACHED_VT: gl.constexpr = SPLIT and not WIDEN_TO_V  # cached values in the V^T ring
     qk_scale_cache = qk_scale
     v_scale = 1.0
     if FP8_CACHE:
@@ -719,7 +734,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
                                        gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False,
                                        is_async=True)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            if SPLIT:
+            if CACHED_VT:
                 # Which ring holds tile it's values is known at run time only: P V stays synchronous here.
                 if NEW_VALUES_T or it < cache_tiles:
                     acc = warpgroup_mma(p_op, vt_smem.index(s).permute((1, 0)), acc)
@@ -741,7 +756,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
                     scores, m_i, l_i, it + 1, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap,
                     qk_scale, cache_start, cache_tiles, new_start, pos_first, full_from, p_layout, q_smem.dtype,
                     BLOCK_N, CAUSAL, WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE)
-            if not SPLIT:
+            if not CACHED_VT:
                 acc, p_in_flight = warpgroup_mma_wait(0, deps=[acc_token, p_in_flight])
             _hand_back(empty.index(s), THREAD_ARRIVALS)
     else:
@@ -780,7 +795,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             if WIDENS and from_cache:
                 acc = warpgroup_mma(p_op, vc_smem, acc)
-            elif SPLIT and (from_cache or NEW_VALUES_T):
+            elif CACHED_VT and (from_cache or NEW_VALUES_T):
                 # Cached values arrive transposed (V^T pages) in their own ring, new tokens' values as rows (or
                 # transposed by the producer into the same ring, NEW_VALUES_T).
                 acc = warpgroup_mma(p_op, vt_smem.index(s).permute((1, 0)), acc)
@@ -833,7 +848,7 @@ def hopper_prefill_kernel(
     FP8_CACHE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, HEAD_DIM: gl.constexpr,
     VT_COPIES: gl.constexpr, WIDE_PRODUCER: gl.constexpr, SHARED_V: gl.constexpr, PRODUCER_WIDENS: gl.constexpr,
     KEY_LOADS: gl.constexpr, VALUES_FIRST: gl.constexpr, EARLY_KEYS: gl.constexpr, F32_WIDENING: gl.constexpr,
-    THREAD_ARRIVALS: gl.constexpr, NEW_VALUES_T: gl.constexpr, FP8_BOXES: gl.constexpr,
+    THREAD_ARRIVALS: gl.constexpr, NEW_VALUES_T: gl.constexpr, FP8_BOXES: gl.constexpr, WIDEN_TO_V: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Prefix-prefill attention of one query tile on sm90 (see the module docstring).
@@ -867,7 +882,9 @@ def hopper_prefill_kernel(
     V^T ring (``V_new`` is ``v`` itself, with its token and head strides ``stride_vt``/``stride_vh``), so there is
     no V ring (:func:`_new_values_transposed`). ``FP8_BOXES`` (split layout, FP8 cache, a head size that is a
     power of two): the cached keys and values come by unswizzled TMA boxes instead of 16-byte copies, ``k_cache``
-    describing the key cache as rows of ``X`` elements and ``v_cache_t`` the value cache.
+    describing the key cache as ``[pages x heads x D / X, PAGE, X]`` and ``v_cache_t`` the value cache.
+    ``WIDEN_TO_V`` (split layout, FP8 cache): the producer widens the cached values into the V ring, transposed,
+    so that every tile's values are in one ring as in NHD and there is no V^T ring.
     """
     TOKENS_PER_TILE: gl.constexpr = BLOCK_M // HEADS_PER_TILE
     tile = gl.program_id(0)
@@ -915,7 +932,11 @@ def hopper_prefill_kernel(
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_SIZE], kv_layout)
     if not NEW_VALUES_T:  # (every tile's values go to the V^T ring otherwise)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_SIZE], kv_layout)
-    if SPLIT:
+    gl.static_assert(not WIDEN_TO_V or (SPLIT and FP8_CACHE and PRODUCER_WIDENS),
+                     "WIDEN_TO_V: the split layout's FP8 cache, widened by the producer")
+    if SPLIT and WIDEN_TO_V:
+        vt_smem = v_smem  # not read: every tile's values are widened or copied into the V ring
+    elif SPLIT:
         if VT_COPIES or FP8_CACHE:  # copied (or widened) by the producer into the layout the MMA reads best
             vt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_SIZE, BLOCK_N], dtype)
         elif HEAD_DIM < HEAD_SIZE:  # the boxes' rank-3 layout, seen as the [D, BLOCK_N] tile it fills
@@ -1012,17 +1033,17 @@ def hopper_prefill_kernel(
                          HEAD_SIZE, 0, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
                          TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS,
-                         THREAD_ARRIVALS, NEW_VALUES_T)),
+                         THREAD_ARRIVALS, NEW_VALUES_T, WIDEN_TO_V)),
             (_consumer, (q_smem.slice(ROWS, ROWS), ring, output, rows, walk, features, (turn.index(1), turn.index(0)),
                          (kc_smem.index(CONSUMERS - 1), vc_smem.index(CONSUMERS - 1)), kv_scales,
                          HEAD_SIZE, ROWS, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
                          TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS,
-                         THREAD_ARRIVALS, NEW_VALUES_T)),
+                         THREAD_ARRIVALS, NEW_VALUES_T, WIDEN_TO_V)),
             (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk, new_values,
                          num_tokens, HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
                          PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES, EARLY_KEYS, F32_WIDENING, NEW_VALUES_T,
-                         FP8_BOXES)),
+                         FP8_BOXES, WIDEN_TO_V)),
         ], [LAUNCH_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -1031,9 +1052,9 @@ def hopper_prefill_kernel(
                          HEAD_SIZE, 0, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
                          False, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS,
-                         THREAD_ARRIVALS, NEW_VALUES_T)),
+                         THREAD_ARRIVALS, NEW_VALUES_T, WIDEN_TO_V)),
             (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk, new_values,
                          num_tokens, HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
                          PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES, EARLY_KEYS, F32_WIDENING, NEW_VALUES_T,
-                         FP8_BOXES)),
+                         FP8_BOXES, WIDEN_TO_V)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])

@@ -46,7 +46,7 @@ def shared_bytes(shape: ProblemShape, config: TileConfig, schedule: Optional[dic
     d = PADDED_HEADS.get(shape.head_size, shape.head_size)
     tile = config.block_n * d * 2  # one K or V tile in the input's 16-bit type
     total = config.block_m * d * 2 + config.num_stages * 2 * tile
-    if shape.layout == "split" and not schedule["SHARED_V"] and not schedule["NEW_VALUES_T"]:
+    if shape.layout == "split" and not (schedule["SHARED_V"] or schedule["NEW_VALUES_T"] or schedule["WIDEN_TO_V"]):
         total += config.num_stages * tile  # the new tokens' V ring beside the cached values' V^T ring
     if shape.kv_cache_dtype != "auto":
         consumers = 0 if schedule["PRODUCER_WIDENS"] else 2 if schedule["PINGPONG"] else 1
@@ -353,6 +353,12 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: the page boxes passed ``hopper_check.py`` (44 of 44) and the forced-Hopper conformance class (79 passed), and ran
 #: the split FP8 row at 1.16 x (365.0 vs 313.9 TFLOP/s; 1.20 x with 32-slot pages, level at head size 64): the
 #: policy's choice for the split layout's FP8 cache (:func:`pagedprefill_sm80.policy.hopper_schedule`).
+#: ``WIDEN_TO_V`` (split layout, FP8 cache) has the producer widen the cached values (V^T pages in FP8) into the
+#: V ring, transposed, where the new tokens' values land, instead of into a V^T ring of their own: the split
+#: layout's FP8 cache then has the NHD layout's rings, and 128-key tiles in 2 stages fit (224 KiB, against 289
+#: KiB beside a V^T ring; its tiles are 64 keys since run 9). Each producer thread loads four consecutive head
+#: rows of 16 slots and stores four consecutive elements of a V row at a time. The consumers' P V MMA no longer
+#: depends on which ring a tile is in, so it runs asynchronously as in NHD. Built after run 14, not yet run.
 #: Run 7 (H200, docs/performance.md): ``PRODUCER_WIDENS`` passed hopper_check.py's 37 cases and was 1.12 x the
 #: consumers widening their own copies on the FP8 row (266.9 vs 238.6 TFLOP/s): on by default.
 #: ``WIDE_PRODUCER`` passed them too and was 0.97 x (355.1 vs 365.8 on the split prefix-cached row): off, but for
@@ -370,7 +376,7 @@ def _plain_tensors(p: PrefillProblem) -> list:
 SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=False, VT_COPIES=False, WIDE_PRODUCER=False,
                 SHARED_V=False, PRODUCER_WIDENS=True, KEY_LOADS=False, VALUES_FIRST=False, WIDE_KEY_CHUNKS=False,
                 EARLY_KEYS=False, F32_WIDENING=True, THREAD_ARRIVALS=False,
-                NEW_VALUES_T=False, FP8_BOXES=False)
+                NEW_VALUES_T=False, FP8_BOXES=False, WIDEN_TO_V=False)
 #: Registers per thread of the second consumer partition under ``PINGPONG`` (the first, the kernel's default
 #: partition, keeps what the others leave).
 CONSUMER_REGS = 240
@@ -456,6 +462,8 @@ def resolve_schedule(shape: ProblemShape, config: TileConfig, schedule: Optional
     # The split layout's FP8 keys and values by TMA boxes: its FP8 cache (widened by the producer, always, there)
     # at head sizes that fill the tile (a padded head's columns past it would need zeros written).
     schedule["FP8_BOXES"] = bool(schedule["FP8_BOXES"]) and split and fp8 and shape.head_size not in PADDED_HEADS
+    # The split layout's cached FP8 values widened into the V ring (its FP8 cache is widened by the producer).
+    schedule["WIDEN_TO_V"] = bool(schedule["WIDEN_TO_V"]) and split and fp8
     return schedule
 
 
