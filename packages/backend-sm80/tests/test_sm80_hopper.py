@@ -6,6 +6,7 @@ Triton's CPU interpreter.
 """
 
 import dataclasses
+from typing import Optional
 
 import pytest
 import torch
@@ -1003,6 +1004,66 @@ def compile_widen_to_v() -> dict:
         config = hopper_config(s).with_(block_n=128, num_stages=2)
         compiled = compile_call(hopper_prefill_kernel, kernel_call(problem, config, s, flag), 90)
         out[str(head_size)] = {**summarize(compiled, 90).to_dict(), "model_bytes": shared_bytes(s, config, flag)}
+    return out
+
+
+def test_poly_exp2_constants_and_exponent_bits_match_exp2():
+    """``POLY_EXP2``'s steps (:func:`pagedprefill_sm80.hopper.kernel._exp2_poly`) in float32 on the CPU with the
+    kernel's constants: within 1.1e-4 of ``2**x`` (relative) from -126 to 0, exactly 0 at -127 and below and at
+    -inf, and exactly 1 at 0."""
+    from pagedprefill_sm80.hopper.kernel import EXP2_C1, EXP2_C2, EXP2_C3, ROUNDING_SHIFT
+
+    c1, c2, c3, shift = (torch.tensor(c.value, dtype=torch.float32) for c in (EXP2_C1, EXP2_C2, EXP2_C3,
+                                                                             ROUNDING_SHIFT))
+    x = torch.cat([torch.linspace(-126.0, 0.0, 200001), torch.randn(10000).abs().neg() * 20,
+                   torch.tensor([-127.0, -200.0, float("-inf"), 0.0])]).to(torch.float32)
+    clamped = torch.clamp(x, min=-127.0)
+    shifted = clamped + shift
+    f = clamped - (shifted - shift)
+    two_f = 1.0 + f * (c1 + f * (c2 + f * c3))
+    y = (two_f.view(torch.int32) + (shifted.view(torch.int32) << 23)).view(torch.float32)
+    exact = torch.exp2(x.double())
+    normal = x >= -126.0
+    assert ((y.double()[normal] - exact[normal]).abs() / exact[normal]).max() < 1.1e-4
+    assert torch.equal(y[-4:-1], torch.zeros(3)) and y[-1] == 1.0
+
+
+def test_poly_exp2_halves_the_special_function_units_exponentials():
+    """``POLY_EXP2`` (off by default, not yet run) compiled for sm90 at head size 64 (NHD, the policy's 256-key
+    tile): half the ``MUFU.EX2`` instructions, the same registers, no spills, and no more shared-memory stores (the
+    split into pairs of keys and the join move no data)."""
+    code = ("import json, test_sm80_hopper as t; print('POLY', json.dumps(t.compile_poly_exp2()))")
+    proc = run_child(code)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    summaries = __import__("json").loads(next(x for x in proc.stdout.splitlines() if x.startswith("POLY "))[5:])
+    if summaries is None:
+        pytest.skip("this Triton has no bundled nvdisasm to read the sm90 instructions with")
+    plain, poly = summaries
+    assert poly["spill_bytes"] in (0, None) and poly["registers"] == plain["registers"], (plain, poly)
+    assert poly["exponentials"] * 2 <= plain["exponentials"] + 8 and poly["exponentials"] > 0, (plain, poly)
+    assert poly["shared_stores"] == plain["shared_stores"], (plain, poly)
+
+
+def compile_poly_exp2() -> Optional[list]:
+    """Registers, spills, ``MUFU.EX2`` and shared-memory store counts of the head-size-64 NHD call's sm90 code,
+    without and with ``POLY_EXP2`` (None without a bundled ``nvdisasm``)."""
+    import re
+
+    from pagedprefill.triton.codegen import compile_call, sass, summarize
+    from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
+
+    problem = make_problem(SPEC.replace(head_size=64, query_lens=(400, 300), context_lens=(500, 0)))
+    s = problem_shape(problem)
+    out = []
+    for flags in ({}, dict(POLY_EXP2=True)):
+        compiled = compile_call(hopper_prefill_kernel, kernel_call(problem, hopper_config(s), s, flags), 90)
+        code = sass(compiled)
+        if code is None:
+            return None
+        summary = summarize(compiled, 90).to_dict()
+        out.append(dict(registers=summary["registers"], spill_bytes=summary["spill_bytes"],
+                        exponentials=len(re.findall(r"MUFU\.EX2", code)),
+                        shared_stores=len(re.findall(r"\bSTS\b", code))))
     return out
 
 

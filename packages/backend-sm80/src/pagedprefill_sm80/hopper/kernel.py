@@ -579,13 +579,41 @@ def _widen(src, dst, COLS: gl.constexpr, NUM_WARPS: gl.constexpr, VIA_F32: gl.co
     target.store(tile.to(dst.dtype))
 
 
+#: ``2**f`` on ``[-0.5, 0.5]`` as ``1 + f * (C1 + f * (C2 + f * C3))``: a cubic fitted for the least largest
+#: relative error with the constant term held at 1 (1.0e-4, against bfloat16's 3.9e-3 for P).
+EXP2_C1 = gl.constexpr(0.6932829)
+EXP2_C2 = gl.constexpr(0.24221075)
+EXP2_C3 = gl.constexpr(0.05500894)
+#: 1.5 * 2**23: a float32 sum with it keeps the nearest integer of the other addend in its low mantissa bits.
+ROUNDING_SHIFT = gl.constexpr(12582912.0)
+
+
+@gluon.jit
+def _exp2_poly(x):
+    """``2**x`` for ``x <= 0`` on the FMA and integer pipes instead of the special-function unit: ``x = n + f``
+    with ``n`` the nearest integer, ``2**f`` by a cubic (:data:`EXP2_C1`...), and ``n`` added to its exponent
+    bits. At head size 64 the softmax's exponentials keep the special-function unit as busy as the MMAs keep
+    the tensor cores (run 13's profile); the FMA pipe has room. ``x = -inf`` (a masked key) gives exactly 0: it is
+    clamped to -127, where ``f = 0`` and the exponent bits cancel."""
+    x = gl.maximum(x, -127.0)
+    shifted = x + ROUNDING_SHIFT
+    f = x - (shifted - ROUNDING_SHIFT)
+    two_f = 1.0 + f * (EXP2_C1 + f * (EXP2_C2 + f * EXP2_C3))
+    # shifted's bits are those of 1.5 * 2**23 plus n in their low bits, and 1.5 * 2**23's own bits vanish
+    # in the shift: what is added is n << 23, n times the exponent's unit.
+    bits = two_f.to(gl.int32, bitcast=True) + (shifted.to(gl.int32, bitcast=True) << 23)
+    return bits.to(gl.float32, bitcast=True)
+
+
 @gluon.jit
 def _softmax_tile(scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap, qk_scale,
                   cache_start, cache_tiles, new_start, pos_first, full_from, p_layout: gl.constexpr,
                   p_dtype: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                  SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, NEW_KV_IN_CACHE: gl.constexpr):
+                  SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, NEW_KV_IN_CACHE: gl.constexpr,
+                  POLY_EXP2: gl.constexpr):
     """One online-softmax step on the raw scores of key tile ``it``: log2-domain logits (scale, softcap,
     ALiBi), masks only where the tile needs them, the running max and sum, and P as the next MMA's operand.
+    ``POLY_EXP2``: every other key's exponential by :func:`_exp2_poly`, off the special-function unit.
 
     Returns ``(P, alpha, m, l)``; the caller rescales its accumulator by ``alpha``. Rows that have seen no key
     yet keep ``m = -inf`` and contribute nothing (no NaN).
@@ -616,7 +644,14 @@ def _softmax_tile(scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, k
     m_new = gl.maximum(m_i, gl.max(scores, 1))
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_use)
-    p = gl.exp2(scores - gl.expand_dims(m_use, 1))
+    logits = scores - gl.expand_dims(m_use, 1)
+    if POLY_EXP2:
+        # A thread of the MMA's layout holds pairs of adjacent keys: one of each pair on each unit.
+        on_unit, by_poly = logits.reshape([logits.shape[0], BLOCK_N // 2, 2]).split()
+        p = gl.join(gl.exp2(on_unit), _exp2_poly(by_poly)).reshape([logits.shape[0], BLOCK_N])
+        p = gl.convert_layout(p, logits.type.layout)  # the same layout, written as the MMA's: no data moves
+    else:
+        p = gl.exp2(logits)
     l_i = l_i * alpha + gl.sum(p, 1)
     return gl.convert_layout(p.to(p_dtype), p_layout), alpha, m_new, l_i
 
@@ -646,7 +681,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
               SPLIT: gl.constexpr, TURNS: gl.constexpr, OVERLAP: gl.constexpr, FP8_CACHE: gl.constexpr,
               K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, HEAD_DIM: gl.constexpr,
               PRODUCER_WIDENS: gl.constexpr, THREAD_ARRIVALS: gl.constexpr, NEW_VALUES_T: gl.constexpr,
-              WIDEN_TO_V: gl.constexpr):
+              WIDEN_TO_V: gl.constexpr, POLY_EXP2: gl.constexpr):
     """Consume the ring for rows ``ROW0 .. ROW0 + BLOCK_M`` of the tile (``q_smem`` holds those rows):
     scores, online softmax and ``P V`` per key tile; then normalise and store.
 
@@ -721,7 +756,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
             p_op, alpha, m_i, l_i = _softmax_tile(
                 scores, m_i, l_i, 0, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap, qk_scale,
                 cache_start, cache_tiles, new_start, pos_first, full_from, p_layout, q_smem.dtype, BLOCK_N, CAUSAL,
-                WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE)
+                WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE, POLY_EXP2)
         for it in range(total):
             s = it % STAGES
             has_next = it + 1 < total
@@ -755,7 +790,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
                 p_op, alpha, m_i, l_i = _softmax_tile(
                     scores, m_i, l_i, it + 1, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap,
                     qk_scale, cache_start, cache_tiles, new_start, pos_first, full_from, p_layout, q_smem.dtype,
-                    BLOCK_N, CAUSAL, WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE)
+                    BLOCK_N, CAUSAL, WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE, POLY_EXP2)
             if not CACHED_VT:
                 acc, p_in_flight = warpgroup_mma_wait(0, deps=[acc_token, p_in_flight])
             _hand_back(empty.index(s), THREAD_ARRIVALS)
@@ -791,7 +826,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
             p_op, alpha, m_i, l_i = _softmax_tile(
                 scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap, tile_scale,
                 cache_start, cache_tiles, new_start, pos_first, full_from, p_layout, q_smem.dtype, BLOCK_N, CAUSAL,
-                WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE)
+                WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE, POLY_EXP2)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             if WIDENS and from_cache:
                 acc = warpgroup_mma(p_op, vc_smem, acc)
@@ -849,6 +884,7 @@ def hopper_prefill_kernel(
     VT_COPIES: gl.constexpr, WIDE_PRODUCER: gl.constexpr, SHARED_V: gl.constexpr, PRODUCER_WIDENS: gl.constexpr,
     KEY_LOADS: gl.constexpr, VALUES_FIRST: gl.constexpr, EARLY_KEYS: gl.constexpr, F32_WIDENING: gl.constexpr,
     THREAD_ARRIVALS: gl.constexpr, NEW_VALUES_T: gl.constexpr, FP8_BOXES: gl.constexpr, WIDEN_TO_V: gl.constexpr,
+    POLY_EXP2: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Prefix-prefill attention of one query tile on sm90 (see the module docstring).
@@ -1033,13 +1069,13 @@ def hopper_prefill_kernel(
                          HEAD_SIZE, 0, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
                          TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS,
-                         THREAD_ARRIVALS, NEW_VALUES_T, WIDEN_TO_V)),
+                         THREAD_ARRIVALS, NEW_VALUES_T, WIDEN_TO_V, POLY_EXP2)),
             (_consumer, (q_smem.slice(ROWS, ROWS), ring, output, rows, walk, features, (turn.index(1), turn.index(0)),
                          (kc_smem.index(CONSUMERS - 1), vc_smem.index(CONSUMERS - 1)), kv_scales,
                          HEAD_SIZE, ROWS, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
                          TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS,
-                         THREAD_ARRIVALS, NEW_VALUES_T, WIDEN_TO_V)),
+                         THREAD_ARRIVALS, NEW_VALUES_T, WIDEN_TO_V, POLY_EXP2)),
             (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk, new_values,
                          num_tokens, HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
                          PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES, EARLY_KEYS, F32_WIDENING, NEW_VALUES_T,
@@ -1052,7 +1088,7 @@ def hopper_prefill_kernel(
                          HEAD_SIZE, 0, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
                          False, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS,
-                         THREAD_ARRIVALS, NEW_VALUES_T, WIDEN_TO_V)),
+                         THREAD_ARRIVALS, NEW_VALUES_T, WIDEN_TO_V, POLY_EXP2)),
             (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk, new_values,
                          num_tokens, HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
                          PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES, EARLY_KEYS, F32_WIDENING, NEW_VALUES_T,
