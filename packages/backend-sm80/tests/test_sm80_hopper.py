@@ -844,6 +844,14 @@ def test_new_values_transposed_apply_to_the_split_layouts_16_bit_cache_and_free_
     monkeypatch.delenv(SCHEDULE_ENV)
     problem = make_problem(SPEC.replace(layout="split"))
     assert kernel_call(problem, hopper_config(split), split, flag).constexprs["NEW_VALUES_T"]
+    # Head size 256's 64-key tile: the producer holds a chunk of new values beside the next one's loads.
+    from pagedprefill_sm80.hopper.launch import NEW_VALUES_CONSUMER_REGS, NEW_VALUES_PRODUCER_REGS
+
+    p256 = make_problem(SPEC.replace(layout="split", head_size=256))
+    call = kernel_call(p256, n64, problem_shape(p256), flag)
+    assert (call.constexprs["PRODUCER_REGS"], call.constexprs["CONSUMER_REGS"]) == \
+        (NEW_VALUES_PRODUCER_REGS, NEW_VALUES_CONSUMER_REGS)
+    assert 128 * NEW_VALUES_PRODUCER_REGS + 256 * NEW_VALUES_CONSUMER_REGS <= 65536
     # One token of v whose token stride times the tile's keys passes 2**31 (no storage behind the stride).
     v = problem.v
     wide = torch.empty_strided((1, *v.shape[1:]), (2**31 // 64, v.stride(1), v.stride(2)), dtype=v.dtype)

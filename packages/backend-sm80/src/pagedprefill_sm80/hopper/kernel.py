@@ -246,11 +246,25 @@ def _new_values_transposed(new_values, vt_dst, row0, kv_head, num_tokens, HEAD_S
     # than 2**31 elements): fewer registers in the producer, which holds them beside its key loads' state.
     tile_values = V_new + (row0.to(gl.int64) * stride_vt + kv_head.to(gl.int64) * stride_vh)
     vt_rows = vt_dst.permute((1, 0))  # [BLOCK_N, D]: a token's values are a column of V^T
-    for c in gl.static_range(0, BLOCK_N, CHUNK):
-        offs_n = c + gl.arange(0, CHUNK, gl.SliceLayout(1, v_ld))
-        ptrs = tile_values + gl.expand_dims(offs_n * stride_vt, 1) + gl.expand_dims(offs_d, 0)
-        ok = gl.expand_dims(row0 + offs_n < num_tokens, 1) & gl.expand_dims(offs_d < HEAD_DIM, 0)
-        vt_rows.slice(c, CHUNK).store(gl.load(ptrs, mask=ok, other=0.0))
+    offs_n = gl.arange(0, CHUNK, gl.SliceLayout(1, v_ld))
+    # The next chunk's loads go out before this chunk is stored, so that a tile waits for about half its
+    # chunks' latencies instead of each in turn.
+    held = _new_value_chunk(tile_values, offs_n, offs_d, row0, num_tokens, stride_vt, HEAD_DIM)
+    for c in gl.static_range(CHUNK, BLOCK_N + CHUNK, CHUNK):
+        if c < BLOCK_N:
+            following = _new_value_chunk(tile_values, c + offs_n, offs_d, row0, num_tokens, stride_vt, HEAD_DIM)
+        vt_rows.slice(c - CHUNK, CHUNK).store(held)
+        if c < BLOCK_N:
+            held = following
+
+
+@gluon.jit
+def _new_value_chunk(tile_values, offs_n, offs_d, row0, num_tokens, stride_vt, HEAD_DIM: gl.constexpr):
+    """The new tokens' values at rows ``offs_n`` of the tile at ``tile_values`` (zeros past the last token and
+    past a padded head), for :func:`_new_values_transposed`."""
+    ptrs = tile_values + gl.expand_dims(offs_n * stride_vt, 1) + gl.expand_dims(offs_d, 0)
+    ok = gl.expand_dims(row0 + offs_n < num_tokens, 1) & gl.expand_dims(offs_d < HEAD_DIM, 0)
+    return gl.load(ptrs, mask=ok, other=0.0)
 
 
 @gluon.jit

@@ -340,7 +340,9 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: split prefix-cached row at 1.09 x (447.5 vs 411.9 TFLOP/s), chunked 1.05 x, many short 1.06 x, but the window
 #: row at 0.88 x and the long prefill at 0.52 x (247.3 vs 472.0); at head size 128, 0.52-0.94 x. The producer's
 #: loads of the new tokens' values bound every tile of new tokens, and a shape does not tell the policy how much
-#: of a call is cached: off.
+#: of a call is cached: off. Since then each chunk's loads go out before the previous chunk is stored (its four
+#: chunks at head size 256 waited for their loads one after another), with 96 registers for the producer and 208
+#: for the consumers (no spills at head size 256 on 64 keys): not yet run.
 #: ``FP8_BOXES`` (split layout, FP8 cache, head sizes 64 and 128) brings the cached keys and values into the FP8
 #: ring by unswizzled TMA boxes instead of 16-byte asynchronous copies, each an L2 request of its own (in run 13's
 #: profile the split FP8 row made 6 x the NHD row's L2 requests): a head's page of values is one contiguous
@@ -396,6 +398,10 @@ WIDENING_CONSUMER_REGS = 216
 #: 128 x 112 + 256 x 200 = 65,536.
 WIDE_CHUNK_PRODUCER_REGS = 112
 WIDE_CHUNK_CONSUMER_REGS = 200
+#: One that also stores the new tokens' values transposed (``NEW_VALUES_T``) holds the next chunk of them while it
+#: stores one: 128 x 96 + 256 x 208 = 65,536.
+NEW_VALUES_PRODUCER_REGS = 96
+NEW_VALUES_CONSUMER_REGS = 208
 #: Keys per chunk of the producer's key loads (``KEY_LOADS``), and under ``WIDE_KEY_CHUNKS``.
 KEY_CHUNK, WIDE_KEY_CHUNK = 32, 64
 
@@ -533,9 +539,11 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
         SPLIT=split, X=key.shape[4] if split else 8,
         FP8_CACHE=fp8, K_SCALE_PTR=k_from_ptr, V_SCALE_PTR=v_from_ptr,
         # The producer warp of the split layout holds a tile of 16-byte copy addresses.
-        PRODUCER_REGS=WIDE_CHUNK_PRODUCER_REGS if wide_chunks else WIDENING_PRODUCER_REGS if holds_tiles
+        PRODUCER_REGS=WIDE_CHUNK_PRODUCER_REGS if wide_chunks else NEW_VALUES_PRODUCER_REGS
+        if schedule["NEW_VALUES_T"] else WIDENING_PRODUCER_REGS if holds_tiles
         else WIDE_PRODUCER_REGS if wide else 96 if split and config.num_warps == 8 else 24,
-        CONSUMER_REGS=WIDE_CHUNK_CONSUMER_REGS if wide_chunks else WIDENING_CONSUMER_REGS if holds_tiles
+        CONSUMER_REGS=WIDE_CHUNK_CONSUMER_REGS if wide_chunks else NEW_VALUES_CONSUMER_REGS
+        if schedule["NEW_VALUES_T"] else WIDENING_CONSUMER_REGS if holds_tiles
         else WIDE_CONSUMER_REGS if wide else CONSUMER_REGS,
     )
     # Under PINGPONG the launch's warps are the default partition's: the first consumer warpgroup.
