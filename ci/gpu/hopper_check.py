@@ -138,8 +138,9 @@ VARIANTS = [
      dict(HEAVY_FIRST=True, PINGPONG=True, NEW_VALUES_T=True)),
     ("pingpong-new-values-t-n128-s3", dict(block_n=128, num_stages=3),
      dict(HEAVY_FIRST=True, PINGPONG=True, NEW_VALUES_T=True)),
-    # Every other key's exponential by a cubic on the FMA pipe instead of the special-function unit.
+    # Every other (every fourth) key's exponential by a cubic on the FMA pipe instead of the special-function unit.
     ("pingpong-poly-exp2", {}, dict(HEAVY_FIRST=True, PINGPONG=True, POLY_EXP2=True)),
+    ("pingpong-poly-quarter", {}, dict(HEAVY_FIRST=True, PINGPONG=True, POLY_EXP2=True, POLY_QUARTER=True)),
     # Each consumer thread handing a buffer back by an arrival of its own, without a barrier among its warps first.
     ("pingpong-thread-arrivals", {}, dict(HEAVY_FIRST=True, PINGPONG=True, THREAD_ARRIVALS=True)),
     # The split layout's cached FP8 keys and values by unswizzled TMA boxes, one per page each (the policy's since

@@ -1038,23 +1038,31 @@ def test_poly_exp2_constants_and_exponent_bits_match_exp2():
 
 def test_poly_exp2_halves_the_special_function_units_exponentials():
     """``POLY_EXP2`` (off by default, not yet run) compiled for sm90 at head size 64 (NHD, the policy's 256-key
-    tile): half the ``MUFU.EX2`` instructions, the same registers, no spills, and no more shared-memory stores (the
-    split into pairs of keys and the join move no data)."""
+    tile): half the ``MUFU.EX2`` instructions (three quarters with ``POLY_QUARTER``, which applies only with it),
+    the same registers, no spills, and no more shared-memory stores (the splits into pairs of keys and the joins
+    move no data)."""
+    from pagedprefill_sm80.hopper.launch import resolve_schedule
+
+    nhd = shape(head_size=64)
+    assert resolve_schedule(nhd, hopper_config(nhd), dict(POLY_EXP2=True, POLY_QUARTER=True))["POLY_QUARTER"]
+    assert not resolve_schedule(nhd, hopper_config(nhd), dict(POLY_QUARTER=True))["POLY_QUARTER"]
     code = ("import json, test_sm80_hopper as t; print('POLY', json.dumps(t.compile_poly_exp2()))")
     proc = run_child(code)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     summaries = __import__("json").loads(next(x for x in proc.stdout.splitlines() if x.startswith("POLY "))[5:])
     if summaries is None:
         pytest.skip("this Triton has no bundled nvdisasm to read the sm90 instructions with")
-    plain, poly = summaries
-    assert poly["spill_bytes"] in (0, None) and poly["registers"] == plain["registers"], (plain, poly)
+    plain, poly, quarter = summaries
+    for variant in (poly, quarter):
+        assert variant["spill_bytes"] in (0, None) and variant["registers"] == plain["registers"], (plain, variant)
+        assert variant["shared_stores"] == plain["shared_stores"], (plain, variant)
     assert poly["exponentials"] * 2 <= plain["exponentials"] + 8 and poly["exponentials"] > 0, (plain, poly)
-    assert poly["shared_stores"] == plain["shared_stores"], (plain, poly)
+    assert poly["exponentials"] < quarter["exponentials"] < plain["exponentials"], (plain, poly, quarter)
 
 
 def compile_poly_exp2() -> Optional[list]:
     """Registers, spills, ``MUFU.EX2`` and shared-memory store counts of the head-size-64 NHD call's sm90 code,
-    without and with ``POLY_EXP2`` (None without a bundled ``nvdisasm``)."""
+    without ``POLY_EXP2``, with it and with ``POLY_QUARTER`` too (None without a bundled ``nvdisasm``)."""
     import re
 
     from pagedprefill.triton.codegen import compile_call, sass, summarize
@@ -1063,7 +1071,7 @@ def compile_poly_exp2() -> Optional[list]:
     problem = make_problem(SPEC.replace(head_size=64, query_lens=(400, 300), context_lens=(500, 0)))
     s = problem_shape(problem)
     out = []
-    for flags in ({}, dict(POLY_EXP2=True)):
+    for flags in ({}, dict(POLY_EXP2=True), dict(POLY_EXP2=True, POLY_QUARTER=True)):
         compiled = compile_call(hopper_prefill_kernel, kernel_call(problem, hopper_config(s), s, flags), 90)
         code = sass(compiled)
         if code is None:

@@ -624,10 +624,11 @@ def _softmax_tile(scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, k
                   cache_start, cache_tiles, new_start, pos_first, full_from, p_layout: gl.constexpr,
                   p_dtype: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, NEW_KV_IN_CACHE: gl.constexpr,
-                  POLY_EXP2: gl.constexpr):
+                  POLY_EXP2: gl.constexpr, POLY_QUARTER: gl.constexpr):
     """One online-softmax step on the raw scores of key tile ``it``: log2-domain logits (scale, softcap,
     ALiBi), masks only where the tile needs them, the running max and sum, and P as the next MMA's operand.
-    ``POLY_EXP2``: every other key's exponential by :func:`_exp2_poly`, off the special-function unit.
+    ``POLY_EXP2``: every other key's exponential by :func:`_exp2_poly`, off the special-function unit
+    (``POLY_QUARTER``: every fourth key's).
 
     Returns ``(P, alpha, m, l)``; the caller rescales its accumulator by ``alpha``. Rows that have seen no key
     yet keep ``m = -inf`` and contribute nothing (no NaN).
@@ -661,8 +662,17 @@ def _softmax_tile(scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, k
     logits = scores - gl.expand_dims(m_use, 1)
     if POLY_EXP2:
         # A thread of the MMA's layout holds pairs of adjacent keys: one of each pair on each unit.
-        on_unit, by_poly = logits.reshape([logits.shape[0], BLOCK_N // 2, 2]).split()
-        p = gl.join(gl.exp2(on_unit), _exp2_poly(by_poly)).reshape([logits.shape[0], BLOCK_N])
+        ROWS: gl.constexpr = logits.shape[0]
+        on_unit, by_poly = logits.reshape([ROWS, BLOCK_N // 2, 2]).split()
+        if POLY_QUARTER:
+            # ... and, of those pairs' second keys, pairs eight keys apart (its next register): half each way.
+            quarters = by_poly.reshape([ROWS, BLOCK_N // 16, 2, 4]).permute((0, 1, 3, 2))
+            second_unit, second_poly = quarters.split()
+            by_poly = gl.join(gl.exp2(second_unit), _exp2_poly(second_poly)).permute((0, 1, 3, 2))
+            by_poly = gl.convert_layout(by_poly.reshape([ROWS, BLOCK_N // 2]), on_unit.type.layout)  # (no data moves)
+        else:
+            by_poly = _exp2_poly(by_poly)
+        p = gl.join(gl.exp2(on_unit), by_poly).reshape([ROWS, BLOCK_N])
         p = gl.convert_layout(p, logits.type.layout)  # the same layout, written as the MMA's: no data moves
     else:
         p = gl.exp2(logits)
@@ -695,7 +705,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
               SPLIT: gl.constexpr, TURNS: gl.constexpr, OVERLAP: gl.constexpr, FP8_CACHE: gl.constexpr,
               K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, HEAD_DIM: gl.constexpr,
               PRODUCER_WIDENS: gl.constexpr, THREAD_ARRIVALS: gl.constexpr, NEW_VALUES_T: gl.constexpr,
-              WIDEN_TO_V: gl.constexpr, POLY_EXP2: gl.constexpr):
+              WIDEN_TO_V: gl.constexpr, POLY_EXP2: gl.constexpr, POLY_QUARTER: gl.constexpr):
     """Consume the ring for rows ``ROW0 .. ROW0 + BLOCK_M`` of the tile (``q_smem`` holds those rows):
     scores, online softmax and ``P V`` per key tile; then normalise and store.
 
@@ -770,7 +780,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
             p_op, alpha, m_i, l_i = _softmax_tile(
                 scores, m_i, l_i, 0, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap, qk_scale,
                 cache_start, cache_tiles, new_start, pos_first, full_from, p_layout, q_smem.dtype, BLOCK_N, CAUSAL,
-                WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE, POLY_EXP2)
+                WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE, POLY_EXP2, POLY_QUARTER)
         for it in range(total):
             s = it % STAGES
             has_next = it + 1 < total
@@ -804,7 +814,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
                 p_op, alpha, m_i, l_i = _softmax_tile(
                     scores, m_i, l_i, it + 1, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap,
                     qk_scale, cache_start, cache_tiles, new_start, pos_first, full_from, p_layout, q_smem.dtype,
-                    BLOCK_N, CAUSAL, WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE, POLY_EXP2)
+                    BLOCK_N, CAUSAL, WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE, POLY_EXP2, POLY_QUARTER)
             if not CACHED_VT:
                 acc, p_in_flight = warpgroup_mma_wait(0, deps=[acc_token, p_in_flight])
             _hand_back(empty.index(s), THREAD_ARRIVALS)
@@ -840,7 +850,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
             p_op, alpha, m_i, l_i = _softmax_tile(
                 scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap, tile_scale,
                 cache_start, cache_tiles, new_start, pos_first, full_from, p_layout, q_smem.dtype, BLOCK_N, CAUSAL,
-                WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE, POLY_EXP2)
+                WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE, POLY_EXP2, POLY_QUARTER)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             if WIDENS and from_cache:
                 acc = warpgroup_mma(p_op, vc_smem, acc)
@@ -898,7 +908,7 @@ def hopper_prefill_kernel(
     VT_COPIES: gl.constexpr, WIDE_PRODUCER: gl.constexpr, SHARED_V: gl.constexpr, PRODUCER_WIDENS: gl.constexpr,
     KEY_LOADS: gl.constexpr, VALUES_FIRST: gl.constexpr, EARLY_KEYS: gl.constexpr, F32_WIDENING: gl.constexpr,
     THREAD_ARRIVALS: gl.constexpr, NEW_VALUES_T: gl.constexpr, FP8_BOXES: gl.constexpr, WIDEN_TO_V: gl.constexpr,
-    POLY_EXP2: gl.constexpr,
+    POLY_EXP2: gl.constexpr, POLY_QUARTER: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Prefix-prefill attention of one query tile on sm90 (see the module docstring).
@@ -1083,13 +1093,13 @@ def hopper_prefill_kernel(
                          HEAD_SIZE, 0, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
                          TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS,
-                         THREAD_ARRIVALS, NEW_VALUES_T, WIDEN_TO_V, POLY_EXP2)),
+                         THREAD_ARRIVALS, NEW_VALUES_T, WIDEN_TO_V, POLY_EXP2, POLY_QUARTER)),
             (_consumer, (q_smem.slice(ROWS, ROWS), ring, output, rows, walk, features, (turn.index(1), turn.index(0)),
                          (kc_smem.index(CONSUMERS - 1), vc_smem.index(CONSUMERS - 1)), kv_scales,
                          HEAD_SIZE, ROWS, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
                          TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS,
-                         THREAD_ARRIVALS, NEW_VALUES_T, WIDEN_TO_V, POLY_EXP2)),
+                         THREAD_ARRIVALS, NEW_VALUES_T, WIDEN_TO_V, POLY_EXP2, POLY_QUARTER)),
             (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk, new_values,
                          num_tokens, HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
                          PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES, EARLY_KEYS, F32_WIDENING, NEW_VALUES_T,
@@ -1102,7 +1112,7 @@ def hopper_prefill_kernel(
                          HEAD_SIZE, 0, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
                          False, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS,
-                         THREAD_ARRIVALS, NEW_VALUES_T, WIDEN_TO_V, POLY_EXP2)),
+                         THREAD_ARRIVALS, NEW_VALUES_T, WIDEN_TO_V, POLY_EXP2, POLY_QUARTER)),
             (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk, new_values,
                          num_tokens, HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
                          PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES, EARLY_KEYS, F32_WIDENING, NEW_VALUES_T,

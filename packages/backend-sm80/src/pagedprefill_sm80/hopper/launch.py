@@ -365,7 +365,9 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: add on the FMA pipe instead of the special-function unit (relative error 1.0e-4, below bfloat16's 3.9e-3 for
 #: P; a masked key's is exactly 0). At head size 64 the exponentials kept the special-function pipe as busy as the
 #: tensor pipe (43% / 42%, run 13's profile). Compiled for sm90 at head size 64: half the ``MUFU.EX2`` per tile
-#: (132 against 260 in the NHD kernel), no spills, no shared-memory round trip. Built after run 14, not yet run.
+#: (132 against 260 in the NHD kernel), no spills, no shared-memory round trip. ``POLY_QUARTER`` (with it) takes a
+#: quarter of them off the unit instead of half, in case the FMA pipe's share then bounds the softmax. Built after
+#: run 14, not yet run.
 #: Run 7 (H200, docs/performance.md): ``PRODUCER_WIDENS`` passed hopper_check.py's 37 cases and was 1.12 x the
 #: consumers widening their own copies on the FP8 row (266.9 vs 238.6 TFLOP/s): on by default.
 #: ``WIDE_PRODUCER`` passed them too and was 0.97 x (355.1 vs 365.8 on the split prefix-cached row): off, but for
@@ -383,7 +385,7 @@ def _plain_tensors(p: PrefillProblem) -> list:
 SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=False, VT_COPIES=False, WIDE_PRODUCER=False,
                 SHARED_V=False, PRODUCER_WIDENS=True, KEY_LOADS=False, VALUES_FIRST=False, WIDE_KEY_CHUNKS=False,
                 EARLY_KEYS=False, F32_WIDENING=True, THREAD_ARRIVALS=False,
-                NEW_VALUES_T=False, FP8_BOXES=False, WIDEN_TO_V=False, POLY_EXP2=False)
+                NEW_VALUES_T=False, FP8_BOXES=False, WIDEN_TO_V=False, POLY_EXP2=False, POLY_QUARTER=False)
 #: Registers per thread of the second consumer partition under ``PINGPONG`` (the first, the kernel's default
 #: partition, keeps what the others leave).
 CONSUMER_REGS = 240
@@ -475,6 +477,8 @@ def resolve_schedule(shape: ProblemShape, config: TileConfig, schedule: Optional
     schedule["FP8_BOXES"] = bool(schedule["FP8_BOXES"]) and split and fp8 and shape.head_size not in PADDED_HEADS
     # The split layout's cached FP8 values widened into the V ring (its FP8 cache is widened by the producer).
     schedule["WIDEN_TO_V"] = bool(schedule["WIDEN_TO_V"]) and split and fp8
+    # A quarter of the exponentials by the polynomial instead of half: a refinement of POLY_EXP2.
+    schedule["POLY_QUARTER"] = bool(schedule["POLY_QUARTER"]) and bool(schedule["POLY_EXP2"])
     return schedule
 
 
