@@ -205,16 +205,7 @@ def without_interpreter() -> dict:
 
 
 def test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma():
-    import json
-    import subprocess
-    import sys
-
-    code = ("import json, test_sm80_hopper as t; print('SUMMARIES', json.dumps(t.compile_summaries()))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
-                          cwd=str(__import__("pathlib").Path(__file__).parent), env=without_interpreter())
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("SUMMARIES "))
-    summaries = json.loads(line[len("SUMMARIES "):])
+    summaries = child_result("compile_summaries")
     assert len(summaries) == len(SCHEDULES) * len(COMPILED)
     for name, summary in summaries.items():
         assert summary["warp_specialized"] and summary["setmaxnreg"] > 0, name
@@ -368,6 +359,16 @@ def run_child(code: str):
 
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
                           cwd=str(Path(__file__).parent), env=without_interpreter())
+
+
+def child_result(function: str):
+    """What this module's ``function()`` returns (JSON-serialisable), computed in a child (:func:`run_child`):
+    ahead-of-time compiles run outside Triton's interpreter. Fails with the child's output when it fails."""
+    import json
+
+    proc = run_child(f"import json, test_sm80_hopper as t; print('RESULT', json.dumps(t.{function}()))")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
 
 
 def check_rebuilt_arguments():
@@ -570,10 +571,7 @@ def test_split_short_tiles_compile_for_sm90_without_spills():
     """The policy's tiles and schedules for the split layout's short calls at head sizes 64 and 96 (128 keys, four
     query heads per tile, early 64-key chunks of key loads; the bench has no such row, so the codegen report
     does not compile them) compile for sm90 with warpgroup MMAs and no spills."""
-    code = ("import json, test_sm80_hopper as t; print('SHORT', json.dumps(t.compile_split_short_tiles()))")
-    proc = run_child(code)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    summaries = __import__("json").loads(next(x for x in proc.stdout.splitlines() if x.startswith("SHORT "))[6:])
+    summaries = child_result("compile_split_short_tiles")
     assert set(summaries) == {"64", "96"}, summaries
     for head_size, summary in summaries.items():
         assert summary["spill_bytes"] in (0, None) and summary["wgmma"] > 0, (head_size, summary)
@@ -640,10 +638,7 @@ def test_wide_key_chunks_apply_to_16_bit_split_tiles_of_more_than_64_keys(monkey
 def test_wide_key_chunks_compile_for_sm90_without_spills():
     """Two 64-key chunks in flight fit the producer's registers and leave the consumers enough (sm90, no
     spills), with the register split of :data:`WIDE_CHUNK_PRODUCER_REGS` in the code."""
-    code = ("import json, test_sm80_hopper as t; print('WIDE', json.dumps(t.compile_wide_key_chunks()))")
-    proc = run_child(code)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    summary = __import__("json").loads(next(x for x in proc.stdout.splitlines() if x.startswith("WIDE "))[5:])
+    summary = child_result("compile_wide_key_chunks")
     assert summary["spill_bytes"] in (0, None) and summary["wgmma"] > 0 and summary["async_copies"] == 0, summary
     assert summary["producer_regs_set"] and summary["consumer_regs_set"], summary
 
@@ -718,10 +713,7 @@ def test_early_keys_compile_for_sm90_without_spills():
     """The split layout's keys loaded before their buffer is free, on the policy's tiles of head sizes 96 and 128
     (128 keys in 64-key chunks), 64 keys in 32-key chunks, and head size 256's 32 keys: no spills, and code
     that differs from the same tile's without it."""
-    code = ("import json, test_sm80_hopper as t; print('EARLY', json.dumps(t.compile_early_keys()))")
-    proc = run_child(code)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    summaries = __import__("json").loads(next(x for x in proc.stdout.splitlines() if x.startswith("EARLY "))[6:])
+    summaries = child_result("compile_early_keys")
     assert len(summaries) == 4
     for name, summary in summaries.items():
         assert summary["spill_bytes"] in (0, None) and summary["wgmma"] > 0, (name, summary)
@@ -779,10 +771,7 @@ def test_f32_widening_compiles_for_sm90_without_scalar_conversions():
     """FP8 tiles widened through float32, on the policy's FP8 tiles of both layouts: no spills, code that differs
     from the direct widening, and (where the disassembler ships with Triton) no scalar float16-to-bfloat16
     conversion left, where the direct widening has one per element."""
-    code = ("import json, test_sm80_hopper as t; print('F32', json.dumps(t.compile_f32_widening()))")
-    proc = run_child(code)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    summaries = __import__("json").loads(next(x for x in proc.stdout.splitlines() if x.startswith("F32 "))[4:])
+    summaries = child_result("compile_f32_widening")
     assert sorted(summaries) == ["nhd", "split"]
     for name, summary in summaries.items():
         assert summary["spill_bytes"] in (0, None) and summary["wgmma"] > 0, (name, summary)
@@ -865,10 +854,7 @@ def test_new_values_transposed_compile_for_sm90_with_two_rings():
     """The split layout's head size 256 on 64 keys in 2 stages under ``NEW_VALUES_T`` (the tile it makes room
     for; 32 keys beside three rings otherwise) and head size 64 on the policy's tile: warpgroup MMAs, no spills,
     and the shared memory the model counts without a V ring."""
-    code = ("import json, test_sm80_hopper as t; print('NEWVT', json.dumps(t.compile_new_values_transposed()))")
-    proc = run_child(code)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    summaries = __import__("json").loads(next(x for x in proc.stdout.splitlines() if x.startswith("NEWVT "))[6:])
+    summaries = child_result("compile_new_values_transposed")
     assert sorted(summaries) == ["256", "64"], summaries
     for head_size, summary in summaries.items():
         assert summary["spill_bytes"] in (0, None) and summary["wgmma"] > 0, (head_size, summary)
@@ -926,10 +912,7 @@ def test_fp8_boxes_apply_to_the_split_layouts_fp8_cache_at_full_head_sizes():
 def test_fp8_boxes_compile_for_sm90_with_tma_boxes_instead_of_copies():
     """The split layout's FP8 tile at head sizes 128 and 64 (e5m2) under ``FP8_BOXES``: no spills, no more
     shared memory, and no 16-byte copies left (the cached keys and values come by TMA boxes)."""
-    code = ("import json, test_sm80_hopper as t; print('BOXES', json.dumps(t.compile_fp8_boxes()))")
-    proc = run_child(code)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    summaries = __import__("json").loads(next(x for x in proc.stdout.splitlines() if x.startswith("BOXES "))[6:])
+    summaries = child_result("compile_fp8_boxes")
     assert sorted(summaries) == ["128", "64"], summaries
     for head_size, (boxes, copies) in summaries.items():
         assert boxes["spill_bytes"] in (0, None) and boxes["wgmma"] > 0, (head_size, boxes)
@@ -985,10 +968,7 @@ def test_widen_to_v_compiles_for_sm90_on_128_key_tiles():
     with the page boxes at head size 128 and the copies at head size 96: warpgroup MMAs, the shared memory the
     model counts (within an H200's), and no spills where the boxes bring the tile (the copies' 128-key tile
     spills 40 bytes in the producer)."""
-    code = ("import json, test_sm80_hopper as t; print('WIDENV', json.dumps(t.compile_widen_to_v()))")
-    proc = run_child(code)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    summaries = __import__("json").loads(next(x for x in proc.stdout.splitlines() if x.startswith("WIDENV "))[7:])
+    summaries = child_result("compile_widen_to_v")
     assert sorted(summaries) == ["128", "96"], summaries
     for head_size, summary in summaries.items():
         assert summary["wgmma"] > 0 and summary["shared_bytes"] <= H200.max_shared_mem, (head_size, summary)
@@ -1046,10 +1026,7 @@ def test_poly_exp2_halves_the_special_function_units_exponentials():
     nhd = shape(head_size=64)
     assert resolve_schedule(nhd, hopper_config(nhd), dict(POLY_EXP2=True, POLY_QUARTER=True))["POLY_QUARTER"]
     assert not resolve_schedule(nhd, hopper_config(nhd), dict(POLY_QUARTER=True))["POLY_QUARTER"]
-    code = ("import json, test_sm80_hopper as t; print('POLY', json.dumps(t.compile_poly_exp2()))")
-    proc = run_child(code)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    summaries = __import__("json").loads(next(x for x in proc.stdout.splitlines() if x.startswith("POLY "))[5:])
+    summaries = child_result("compile_poly_exp2")
     if summaries is None:
         pytest.skip("this Triton has no bundled nvdisasm to read the sm90 instructions with")
     plain, poly, quarter = summaries
@@ -1105,10 +1082,7 @@ def test_thread_arrivals_apply_where_the_consumers_hand_back_after_their_mmas():
 def test_thread_arrivals_compile_for_sm90_with_one_barrier_less_per_consumer():
     """Per-thread hand-backs on the policy's NHD tile: no spills, an asynchronous-copy arrival in each of the
     two consumers instead of their one-thread arrival, and one warp barrier less in each."""
-    code = ("import json, test_sm80_hopper as t; print('ARRIVALS', json.dumps(t.compile_thread_arrivals()))")
-    proc = run_child(code)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    summary = __import__("json").loads(next(x for x in proc.stdout.splitlines() if x.startswith("ARRIVALS "))[9:])
+    summary = child_result("compile_thread_arrivals")
     assert summary["spill_bytes"] in (0, None) and summary["wgmma"] > 0, summary
     assert (summary["thread_arrivals"], summary["one_thread_arrivals"]) == (2, 0), summary
     assert (summary["default_thread_arrivals"], summary["default_one_thread_arrivals"]) == (0, 2), summary
@@ -1141,10 +1115,7 @@ def test_256_key_tiles_at_head_size_64_compile_for_sm90_without_spills():
     """Candidates for head size 64 (``hopper_check.py``'s ``pingpong-n256-*`` variants): 256 keys per step in 3
     stages on NHD, and in 2 stages on the split layout with a producer warpgroup (one producer warp spills the
     copy addresses of 256 keys), within the shared-memory model."""
-    code = ("import json, test_sm80_hopper as t; print('N256', json.dumps(t.compile_256_key_tiles()))")
-    proc = run_child(code)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    summaries = __import__("json").loads(next(x for x in proc.stdout.splitlines() if x.startswith("N256 "))[5:])
+    summaries = child_result("compile_256_key_tiles")
     assert set(summaries) == {"nhd", "split"}
     for layout, summary in summaries.items():
         assert summary["spill_bytes"] in (0, None) and summary["wgmma"] > 0, (layout, summary)
