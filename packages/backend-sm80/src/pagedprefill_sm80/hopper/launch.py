@@ -209,7 +209,7 @@ def call_tensors(p: PrefillProblem, config: TileConfig, schedule: dict) -> tuple
     """The kernel's tensor arguments (TMA descriptors for K/V) in signature order; placeholders (an
     argument of the same kind that the kernel does not read) where a layout or feature does not use one.
     ``schedule`` (resolved, :func:`resolve_schedule`): under ``FP8_BOXES`` the split layout's FP8 key cache is
-    described too, as rows of ``x`` elements."""
+    described too, by pages (:func:`_key_pages_descriptor`)."""
     c = p.cache
     D = p.head_size
     box = min(c.block_size, config.block_n)
@@ -482,6 +482,21 @@ def resolve_schedule(shape: ProblemShape, config: TileConfig, schedule: Optional
     return schedule
 
 
+def partition_registers(schedule: dict, split: bool, num_warps: int) -> tuple[int, int]:
+    """Registers per thread of the producer partition and of the consumers under a resolved ``schedule``
+    (``setmaxnreg``): what the producer holds decides its share."""
+    if schedule["WIDE_KEY_CHUNKS"]:  # two 64-key chunks of key loads
+        return WIDE_CHUNK_PRODUCER_REGS, WIDE_CHUNK_CONSUMER_REGS
+    if schedule["NEW_VALUES_T"]:  # a chunk of new values beside the next chunk's loads
+        return NEW_VALUES_PRODUCER_REGS, NEW_VALUES_CONSUMER_REGS
+    if schedule["PRODUCER_WIDENS"] or schedule["KEY_LOADS"]:  # a warpgroup holding slices of tiles
+        return WIDENING_PRODUCER_REGS, WIDENING_CONSUMER_REGS
+    if schedule["WIDE_PRODUCER"]:
+        return WIDE_PRODUCER_REGS, WIDE_CONSUMER_REGS
+    # The producer warp of the split layout holds a tile of 16-byte copy addresses.
+    return 96 if split and num_warps == 8 else 24, CONSUMER_REGS
+
+
 def key_chunk(schedule: dict) -> int:
     """Keys per chunk of the producer's key loads under a resolved ``schedule``: 0 without ``KEY_LOADS``."""
     if not schedule["KEY_LOADS"]:
@@ -526,11 +541,9 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
         # The producer's offsets within a tile of new values are 32-bit (registers beside its key loads).
         raise ValueError(f"NEW_VALUES_T: v's token stride ({p.v.stride(0)} elements) times block_n "
                          f"({config.block_n}) must stay below 2**31; run without NEW_VALUES_T")
-    wide = schedule["WIDE_PRODUCER"]
-    # A producer warpgroup that holds tiles in registers: widening FP8 tiles, or loading split keys.
-    holds_tiles = schedule["PRODUCER_WIDENS"] or schedule["KEY_LOADS"] or schedule["NEW_VALUES_T"]
+    producer_regs, consumer_regs = partition_registers(schedule, split, config.num_warps)
     chunk = key_chunk(schedule)
-    wide_chunks = schedule.pop("WIDE_KEY_CHUNKS")  # the kernel takes the chunk's keys as KEY_LOADS
+    schedule.pop("WIDE_KEY_CHUNKS")  # the kernel takes the chunk's keys as KEY_LOADS
     constexprs = dict(
         HEAD_SIZE=PADDED_HEADS.get(D, D), HEAD_DIM=D, PAGE=p.cache.block_size, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
@@ -542,13 +555,7 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
         **{**schedule, "KEY_LOADS": chunk},
         SPLIT=split, X=key.shape[4] if split else 8,
         FP8_CACHE=fp8, K_SCALE_PTR=k_from_ptr, V_SCALE_PTR=v_from_ptr,
-        # The producer warp of the split layout holds a tile of 16-byte copy addresses.
-        PRODUCER_REGS=WIDE_CHUNK_PRODUCER_REGS if wide_chunks else NEW_VALUES_PRODUCER_REGS
-        if schedule["NEW_VALUES_T"] else WIDENING_PRODUCER_REGS if holds_tiles
-        else WIDE_PRODUCER_REGS if wide else 96 if split and config.num_warps == 8 else 24,
-        CONSUMER_REGS=WIDE_CHUNK_CONSUMER_REGS if wide_chunks else NEW_VALUES_CONSUMER_REGS
-        if schedule["NEW_VALUES_T"] else WIDENING_CONSUMER_REGS if holds_tiles
-        else WIDE_CONSUMER_REGS if wide else CONSUMER_REGS,
+        PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs,
     )
     # Under PINGPONG the launch's warps are the default partition's: the first consumer warpgroup.
     warps = config.num_warps // 2 if schedule["PINGPONG"] else config.num_warps
