@@ -148,10 +148,13 @@ VARIANTS = [
     ("pingpong-fp8-boxes", {}, dict(HEAVY_FIRST=True, PINGPONG=True, FP8_BOXES=True)),
     ("pingpong-fp8-copies", {}, dict(HEAVY_FIRST=True, PINGPONG=True, FP8_BOXES=False)),
     # The split layout's cached FP8 values widened into the V ring (no V^T ring), on the policy's tile and on the
-    # 128 keys in 2 stages this makes room for.
+    # 128 keys in 2 stages this makes room for
+    # (the policy's since run 15, on 128 keys in 2 stages), and beside a V^T ring on the 64 keys it took before.
     ("pingpong-widen-to-v", {}, dict(HEAVY_FIRST=True, PINGPONG=True, WIDEN_TO_V=True)),
     ("pingpong-widen-to-v-n128", dict(block_n=128, num_stages=2), dict(HEAVY_FIRST=True, PINGPONG=True,
                                                                        WIDEN_TO_V=True)),
+    ("pingpong-vt-ring-n64", dict(block_n=64, num_stages=2), dict(HEAVY_FIRST=True, PINGPONG=True,
+                                                                  WIDEN_TO_V=False)),
     # Each consumer widening its own copy of an FP8 tile (the default before run 7).
     ("pingpong-consumers-widen", {}, dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=False)),
     # The next tile's Q K^T issued before this tile's softmax: 0.58-0.93 x the policy's schedule in run 12.
@@ -211,12 +214,14 @@ def timed_rounds(plans: list, problem, f: float, reps: int, rounds: int) -> list
 
 def timings(info, backend, reps: int, quick: bool, block_size: int = 0, only: tuple = (),
             rounds: int = 1, variants: list = VARIANTS, layouts: tuple = ("nhd", "split"),
-            part: tuple = (0, 1), compile_only: bool = False, head_size: int = 0) -> list[tuple]:
+            part: tuple = (0, 1), compile_only: bool = False, head_size: int = 0,
+            kv_cache_dtype: str = "") -> list[tuple]:
     """TFLOP/s of the portable kernel and of each Hopper variant on the same data, with each variant's largest
     error against the reference (computed once per workload). ``block_size`` replaces the workloads' own
     (16) when given: the split layout's value pages are TMA boxes one page wide, so the page size sets how wide
     each box and its shared-memory swizzle are; ``head_size`` replaces their head size when given (the suite
-    has no short-call rows at head sizes 64 and 96). ``only``: the workloads whose name contains one of these.
+    has no short-call rows at head sizes 64 and 96), ``kv_cache_dtype`` their cache's format (it has no short-call
+    row with an FP8 cache). ``only``: the workloads whose name contains one of these.
     ``rounds``: alternating rounds per workload (:func:`timed_rounds`). ``variants``: the columns after the
     portable kernel's (each compiles its own kernel per workload). ``layouts``: the cache layouts timed.
     ``part`` = (i, n): only every n-th (workload, layout) pair from the i-th on. ``compile_only``: launch each
@@ -235,7 +240,8 @@ def timings(info, backend, reps: int, quick: bool, block_size: int = 0, only: tu
     pairs = [(wl, layout) for wl in suite for layout in layouts][part[0]::part[1]]
     for wl, layout in pairs:
         spec = wl.spec.replace(layout=layout, **({"block_size": block_size} if block_size else {}),
-                               **({"head_size": head_size} if head_size else {}))
+                               **({"head_size": head_size} if head_size else {}),
+                               **({"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}))
         problem = make_problem(spec, "cuda")
         if not compile_only:
             expect = fresh_output(problem)
@@ -328,6 +334,8 @@ def main(argv=None) -> int:
                         help="time the workloads with cache pages of N tokens instead of their own 16")
     parser.add_argument("--head-size", type=int, default=0, metavar="D",
                         help="time the workloads at head size D instead of their own (e.g. many short at 64)")
+    parser.add_argument("--kv-cache-dtype", default="", metavar="FORMAT",
+                        help="time the workloads with this cache format instead of their own (e.g. fp8_e4m3)")
     parser.add_argument("--schedule", default="", metavar="NAME=0|1,...",
                         help="check correctness with these schedule flags of the Hopper kernel (e.g. PINGPONG=1)")
     parser.add_argument("--layouts", default="nhd,split", metavar="LAYOUT,...", help="the cache layouts timed")
@@ -371,13 +379,13 @@ def main(argv=None) -> int:
     if args.compile_only:
         only = tuple(p for p in args.only.split(",") if p)
         timings(info, backend, args.reps, args.quick, args.block_size, only, args.rounds, variants, layouts, part,
-                compile_only=True, head_size=args.head_size)
+                compile_only=True, head_size=args.head_size, kv_cache_dtype=args.kv_cache_dtype)
         return 0
     if not args.no_timing:
         print("\nTFLOP/s, same data: workload | portable | " + " | ".join(v[0] for v in variants))
         only = tuple(part for part in args.only.split(",") if part)
         for r in timings(info, backend, args.reps, args.quick, args.block_size, only, args.rounds, variants,
-                         layouts, head_size=args.head_size):
+                         layouts, head_size=args.head_size, kv_cache_dtype=args.kv_cache_dtype):
             print("| " + " | ".join(r) + " |")
     return 0 if all(r[-1] == "ok" for r in rows) else 1
 

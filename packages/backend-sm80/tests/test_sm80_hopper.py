@@ -159,7 +159,7 @@ SCHEDULES = {
 #: The flags the policy sets per route (:func:`pagedprefill_sm80.policy.hopper_schedule`), off unless a schedule
 #: of :data:`SCHEDULES` names them.
 POLICY_FLAGS_OFF = dict(KEY_LOADS=False, VALUES_FIRST=False, WIDE_KEY_CHUNKS=False, EARLY_KEYS=False,
-                        FP8_BOXES=False)
+                        FP8_BOXES=False, WIDEN_TO_V=False)
 
 
 def compile_summaries() -> dict:
@@ -175,10 +175,13 @@ def compile_summaries() -> dict:
         problem = make_problem(SPEC.replace(**changes))
         s = problem_shape(problem)
         for label, schedule in SCHEDULES.items():
+            # Each label names the whole schedule: the policy's own flags for a route do not reach it.
+            schedule = {**POLICY_FLAGS_OFF, **schedule}
             config = hopper_config(s)
             if shared_bytes(s, config, schedule) > H200.max_shared_mem:
                 # A schedule that cannot hold the policy's tile (an FP8 cache with each consumer widening its
-                # own copy: 360 KiB for 128 keys) is compiled with the 64 keys it held before.
+                # own copy: 360 KiB for 128 keys; the split layout's FP8 cache beside a V^T ring: 289 KiB) is
+                # compiled with the 64 keys it held before.
                 config = replace(config, block_n=64)
             if s.layout == "split" and s.workload == "short" and config.block_n > 64:
                 # The split layout's short calls at head size 128 take 128-key tiles since run 12, where the
@@ -186,8 +189,6 @@ def compile_summaries() -> dict:
                 # compared here on the 64-key tiles those calls took before. The policy's 128-key tile of these
                 # calls is compiled by test_wide_key_chunks_compile_for_sm90_without_spills.
                 config = replace(config, block_n=64, num_stages=3)
-            # Each label names the whole schedule: the policy's own flags for a route do not reach it.
-            schedule = {**POLICY_FLAGS_OFF, **schedule}
             call = kernel_call(problem, config, s, schedule=schedule)
             summary = summarize(compile_call(hopper_prefill_kernel, call, 90), 90).to_dict()
             out[f"{name}/{label}"] = {**summary, "launch_warps": call.options["num_warps"],
@@ -501,11 +502,13 @@ def test_the_policy_reads_split_16_bit_caches_with_key_loads(monkeypatch):
             kernel, why = Sm80Backend().kernel_choice(s, H200)
             flags_named = "KEY_LOADS+VALUES_FIRST" + "+WIDE_KEY_CHUNKS+EARLY_KEYS" * (head_size <= 128)
             assert why.endswith(f"; schedule {flags_named}") == taken, why
-            # (an FP8 cache's page boxes: test_fp8_boxes_apply_to_the_split_layouts_fp8_cache_at_full_head_sizes)
+            # (an FP8 cache's page boxes: test_fp8_boxes_apply_to_the_split_layouts_fp8_cache_at_full_head_sizes;
+            # its values widened into the V ring: test_the_policy_widens_split_fp8_values_into_the_v_ring)
             boxes = layout == "split" and cache != "auto" and head_size != 96
             if cache != "auto":
-                assert hopper_schedule(s) == ({"FP8_BOXES": True} if boxes else {}), (layout, head_size)
-            assert why.endswith("; schedule FP8_BOXES") == (boxes and kernel == "hopper"), why
+                assert hopper_schedule(s) == (dict(FP8_BOXES=True, WIDEN_TO_V=True) if boxes else {}), \
+                    (layout, head_size)
+            assert why.endswith("; schedule FP8_BOXES+WIDEN_TO_V") == (boxes and kernel == "hopper"), why
             assert kernel == "hopper" or not taken
     split = shape(layout="split")
     config = hopper_config(split)
@@ -541,7 +544,7 @@ def test_the_policy_reads_128_key_split_tiles_with_64_key_chunks_at_head_sizes_6
             assert tuple(flags[n] for n in names) == expected, (layout, head_size, cache, config)
             assert tuple(bool(hopper_schedule(s, config.block_n).get(n)) for n in names) == expected
             why = Sm80Backend().kernel_choice(s, H200)[1]
-            taken = "+".join(n for n, on in zip(names, expected) if on) or "FP8_BOXES" * (cache != "auto")
+            taken = "+".join(n for n, on in zip(names, expected) if on) or "FP8_BOXES+WIDEN_TO_V" * (cache != "auto")
             assert why.endswith(f"; schedule {taken}") if taken else "schedule" not in why, why
     # A tile of 64 keys at head size 64 (a caller's, or a table's) gets neither the loads nor their chunks.
     s64 = dataclasses.replace(shape(layout="split", head_size=64), num_tokens=4096, num_seqs=2, max_query_len=2048)
@@ -551,12 +554,12 @@ def test_the_policy_reads_128_key_split_tiles_with_64_key_chunks_at_head_sizes_6
 def test_split_short_calls_take_128_key_tiles_at_head_sizes_64_to_128():
     """Runs 12-13: the split layout's short calls of a 16-bit cache at head sizes 64, 96 and 128 take 128 keys in
     a 2-deep ring, with 64-key chunks of loads issued early (many short at head size 128: 379.8 vs 367.6 TFLOP/s
-    on 64-key tiles; 64: 284.6 vs 244.9; 96: 323.5 vs 278.2); an FP8 cache keeps its 64-key tiles; the tile fits
-    an sm90 GPU."""
+    on 64-key tiles; 64: 284.6 vs 244.9; 96: 323.5 vs 278.2), and since run 15 an FP8 cache at head size 128
+    (its values widened into the V ring); the tile fits an sm90 GPU."""
     from pagedprefill_sm80.hopper.launch import resolve_schedule, shape_unfit_reason
 
     for head_size, cache, expected in ((128, "auto", (128, 2)), (64, "auto", (128, 2)), (96, "auto", (128, 2)),
-                                       (128, "fp8_e4m3", (64, 2))):
+                                       (128, "fp8_e4m3", (128, 2))):
         s = shape(layout="split", head_size=head_size, kv_cache_dtype=cache)
         assert s.workload == "short"
         config = Sm80Backend().tile_config(s, H200)
@@ -939,28 +942,52 @@ def compile_fp8_boxes() -> dict:
 
 
 def test_widen_to_v_applies_to_the_split_layouts_fp8_cache_and_frees_its_vt_ring():
-    """``WIDEN_TO_V`` (off by default, not yet run) applies to the split layout's FP8 cache only; without the V^T
-    ring a split FP8 tile takes NHD's shared memory, so 128 keys in 2 stages fit on an H200 (they do not beside
+    """``WIDEN_TO_V`` (off in the kernel's own defaults) applies to the split layout's FP8 cache only; without the
+    V^T ring a split FP8 tile takes NHD's shared memory, so 128 keys in 2 stages fit on an H200 (they do not beside
     a V^T ring), and the launch's constexprs carry it."""
     from pagedprefill_sm80.hopper.launch import SCHEDULE, resolve_schedule, shape_unfit_reason, shared_bytes
 
     assert not SCHEDULE["WIDEN_TO_V"]
-    flag = dict(WIDEN_TO_V=True)
+    flag, off = dict(WIDEN_TO_V=True), dict(WIDEN_TO_V=False)
     for head_size in (64, 96, 128):
         split8 = shape(layout="split", kv_cache_dtype="fp8_e4m3", head_size=head_size)
-        assert resolve_schedule(split8, hopper_config(split8), flag)["WIDEN_TO_V"]
-        assert not resolve_schedule(split8, hopper_config(split8))["WIDEN_TO_V"]
-        n128 = hopper_config(split8).with_(block_n=128, num_stages=2)
+        n64 = hopper_config(split8).with_(block_n=64, num_stages=2)
+        assert resolve_schedule(split8, n64, flag)["WIDEN_TO_V"]
+        assert not resolve_schedule(split8, n64, off)["WIDEN_TO_V"]
+        n128 = n64.with_(block_n=128)
         nhd8 = shape(layout="nhd", kv_cache_dtype="fp8_e4m3", head_size=head_size)
         assert shared_bytes(split8, n128, flag) == shared_bytes(nhd8, n128)
-    assert shared_bytes(split8, n128, flag) <= H200.max_shared_mem < shared_bytes(split8, n128)
-    assert shape_unfit_reason(split8, n128, H200.max_shared_mem) is not None
+    assert shared_bytes(split8, n128, flag) <= H200.max_shared_mem < shared_bytes(split8, n128, off)
+    assert shape_unfit_reason(split8, n128, H200.max_shared_mem) is None  # the policy's flags for the tile
     for other in (shape(layout="split"), shape(layout="nhd", kv_cache_dtype="fp8_e4m3")):
         assert not resolve_schedule(other, hopper_config(other), flag)["WIDEN_TO_V"], other
     problem = make_problem(SPEC.replace(layout="split", kv_cache_dtype="fp8_e4m3"))
     s = problem_shape(problem)
-    assert kernel_call(problem, hopper_config(s), s, flag).constexprs["WIDEN_TO_V"]
-    assert not kernel_call(problem, hopper_config(s), s).constexprs["WIDEN_TO_V"]
+    assert kernel_call(problem, hopper_config(s), s).constexprs["WIDEN_TO_V"]
+    assert not kernel_call(problem, hopper_config(s).with_(block_n=64), s, off).constexprs["WIDEN_TO_V"]
+
+
+def test_the_policy_widens_split_fp8_values_into_the_v_ring():
+    """Run 15: the split layout's FP8 cache at head sizes 64 and 128 takes 128 keys in 2 stages with its cached
+    values widened into the V ring (374.5 vs 365.1 TFLOP/s on the FP8 row against 64 keys beside a V^T ring),
+    long calls and short; on a tile of 64 keys (a caller's or a table's) it keeps the V^T ring (0.94 x there);
+    head size 96, whose padded head takes the copies, keeps 64 keys beside the V^T ring."""
+    from pagedprefill_sm80.hopper.launch import resolve_schedule, shape_unfit_reason
+    from pagedprefill_sm80.policy import hopper_schedule
+
+    for head_size in (64, 96, 128):
+        short = shape(layout="split", kv_cache_dtype="fp8_e4m3", head_size=head_size)
+        long = dataclasses.replace(short, num_tokens=4096, num_seqs=2, max_query_len=2048)
+        assert (short.workload, long.workload) == ("short", "long")
+        for s in (short, long):
+            config = hopper_config(s)
+            full = head_size != 96
+            assert (config.block_n, config.num_stages) == ((128, 2) if full else (64, 2)), s
+            assert shape_unfit_reason(s, config, H200.max_shared_mem) is None
+            flags = resolve_schedule(s, config)
+            assert (flags["FP8_BOXES"], flags["WIDEN_TO_V"]) == (full, full), s
+            assert not hopper_schedule(s, 64).get("WIDEN_TO_V")
+            assert hopper_schedule(s, 64).get("FP8_BOXES", False) == full
 
 
 def test_widen_to_v_compiles_for_sm90_on_128_key_tiles():

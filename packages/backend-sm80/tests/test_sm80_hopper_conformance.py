@@ -91,3 +91,32 @@ class TestSm80HopperConformance(ConformanceSuite):
         if info.vendor != "nvidia" or info.capability != (9, 0):
             pytest.skip(f"the Hopper kernel needs an sm90 GPU, found {info.describe()}")
         return info
+
+    @pytest.mark.parametrize("head_size", [128, 64])
+    def test_split_fp8_key_cache_the_page_boxes_cannot_describe(self, head_size, pagedprefill_device):
+        """A split FP8 key cache that is every other block of a larger tensor (not contiguous from its block
+        dimension in): the launch reads its keys by the 16-byte copies instead of the page boxes, on the policy's
+        tile for the split FP8 cache, and matches the reference."""
+        import dataclasses
+
+        from pagedprefill import get_registry
+        from pagedprefill.testing.cases import assert_matches_reference
+        from pagedprefill.tiling import problem_shape
+        from pagedprefill.workloads import make_problem
+
+        info = self.device_info(pagedprefill_device)
+        spec = BASE.replace(layout="split", kv_cache_dtype="fp8_e4m3", head_size=head_size, block_size=16,
+                            dtype=torch.bfloat16, num_heads=4, num_kv_heads=2, query_lens=(300, 1, 170),
+                            context_lens=(450, 77, 0), seed=11)
+        problem = make_problem(spec, pagedprefill_device)
+        key = problem.cache.key
+        wider = torch.empty((2 * key.shape[0], *key.shape[1:]), dtype=key.dtype, device=key.device)[::2]
+        wider.copy_(key)
+        problem = dataclasses.replace(problem, cache=dataclasses.replace(problem.cache, key=wider))
+        shape = problem_shape(problem)
+        config = get_registry().get(self.backend).tile_config(shape, info)
+        call = launch.kernel_call(problem, config, shape)
+        assert config.kernel == "hopper" and not call.constexprs["FP8_BOXES"], (config, call.constexprs)
+        out = self.run_backend(problem, pagedprefill_device)
+        atol, rtol = self.tolerances[spec.dtype]
+        assert_matches_reference(out, problem, atol, rtol, label=f"strided split FP8 key cache [{spec.describe()}]")

@@ -93,14 +93,20 @@ def hopper_schedule(shape: ProblemShape, block_n: Optional[int] = None) -> dict:
     Not with an FP8 cache, where the copies were faster (0.82 x, run 10). An FP8 cache's keys and values come by
     TMA boxes instead of the copies, one box per page for each (``FP8_BOXES``), at head sizes that fill the tile:
     1.16 x on the FP8 prefix-cached row (365.0 vs 313.9 TFLOP/s), 1.20 x with pages of 32 slots (419.8 vs
-    349.7), level at head size 64 (245.2 vs 245.8; run 14)."""
+    349.7), level at head size 64 (245.2 vs 245.8; run 14). On tiles of more than 64 keys the producer also widens
+    the cached values into the V ring (``WIDEN_TO_V``), which frees the V^T ring's room for 128 keys in 2 stages:
+    1.03 x over 64 keys without it (374.5 vs 365.1), 1.02 x with pages of 32 slots (420.6 vs 413.2); on 64-key
+    tiles it was 0.94 x (343.8; run 15)."""
     if shape.layout != "split":
         return {}
+    block_n = hopper_config(shape).block_n if block_n is None else block_n
     if shape.kv_cache_dtype != "auto":
-        return dict(FP8_BOXES=True) if shape.head_size == shape.head_size_padded else {}
+        if shape.head_size != shape.head_size_padded:
+            return {}
+        return dict(FP8_BOXES=True, WIDEN_TO_V=True) if block_n > 64 else dict(FP8_BOXES=True)
     from .hopper.launch import WIDE_KEY_CHUNK  # imports Triton: only when a policy decides
 
-    wide_chunks = (hopper_config(shape).block_n if block_n is None else block_n) > WIDE_KEY_CHUNK
+    wide_chunks = block_n > WIDE_KEY_CHUNK
     if shape.head_size in KEY_LOAD_HEAD_SIZES or (wide_chunks and shape.head_size in WIDE_KEY_LOAD_HEAD_SIZES):
         flags = dict(KEY_LOADS=True, VALUES_FIRST=True)
         if wide_chunks:
@@ -158,19 +164,22 @@ def hopper_config(shape: ProblemShape) -> TileConfig:
       a third stage measured level with two in run 7);
     * head size 256: 64 keys in a 2-deep ring (the accumulator and K/V tiles are twice as large); 32 keys in
       the split layout, whose V^T ring takes the room of a third K/V tile;
-    * an FP8 cache in the split layout: 64 keys in a 2-deep ring (its FP8 ring beside the V^T ring, 161 KiB;
-      128 keys would take 289 KiB).
+    * an FP8 cache in the split layout at head sizes 64 and 128: 128 keys in a 2-deep ring, its cached values
+      widened into the V ring (:func:`hopper_schedule`; 1.03 x over 64 keys in run 15); at head size 96, whose
+      padded head takes the copies, 64 keys in a 2-deep ring (its FP8 ring beside the V^T ring, 161 KiB; 128
+      keys would take 289 KiB, and beside the V ring the copies' producer spills).
     """
     heads = max(1, min(shape.group_size, 4 if shape.workload == "short" else 2))
     if shape.head_size_padded > 128 and shape.layout == "split":
         block_n, stages = 32, 2  # beside the split layout's own V^T ring (164 KiB)
-    elif shape.head_size_padded > 128 or (shape.layout == "split" and shape.kv_cache_dtype != "auto"):
+    elif shape.head_size_padded > 128 or (shape.layout == "split" and shape.kv_cache_dtype != "auto"
+                                          and shape.head_size != shape.head_size_padded):
         block_n, stages = 64, 2
     elif shape.head_size_padded <= 64 and shape.layout == "nhd" and shape.workload == "long" \
             and shape.kv_cache_dtype == "auto":
         block_n, stages = 256, 3
     elif shape.layout == "nhd" or shape.workload == "long" or shape.head_size in WIDE_SHORT_SPLIT_HEAD_SIZES:
-        # (an FP8 cache is read in the NHD layout only)
+        # (an FP8 cache at head sizes 64 and 128 in either layout)
         block_n, stages = 128, 2
     else:
         block_n, stages = 64, 3

@@ -342,7 +342,9 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: loads of the new tokens' values bound every tile of new tokens, and a shape does not tell the policy how much
 #: of a call is cached: off. Since then each chunk's loads go out before the previous chunk is stored (its four
 #: chunks at head size 256 waited for their loads one after another), with 96 registers for the producer and 208
-#: for the consumers (no spills at head size 256 on 64 keys): not yet run.
+#: for the consumers (no spills at head size 256 on 64 keys). Run 15: it passed ``hopper_check.py`` (44 of 44), and
+#: at head size 256 on 64 keys in 2 stages it still halves the long prefill (268.6 vs 472.5 TFLOP/s; prefix-cached
+#: 452.4 vs 423.4, chunked 457.1 vs 434.7, window 392.2 vs 435.9): off.
 #: ``FP8_BOXES`` (split layout, FP8 cache, head sizes 64 and 128) brings the cached keys and values into the FP8
 #: ring by unswizzled TMA boxes instead of 16-byte asynchronous copies, each an L2 request of its own (in run 13's
 #: profile the split FP8 row made 6 x the NHD row's L2 requests): a head's page of values is one contiguous
@@ -360,14 +362,22 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: layout's FP8 cache then has the NHD layout's rings, and 128-key tiles in 2 stages fit (224 KiB, against 289
 #: KiB beside a V^T ring; its tiles are 64 keys since run 9). Each producer thread loads four consecutive head
 #: rows of 16 slots and stores four consecutive elements of a V row at a time. The consumers' P V MMA no longer
-#: depends on which ring a tile is in, so it runs asynchronously as in NHD. Built after run 14, not yet run.
+#: depends on which ring a tile is in, so it runs asynchronously as in NHD. Run 15 (H200): it passed
+#: ``hopper_check.py`` (44 of 44) and the forced-Hopper conformance class on 128 keys in 2 stages (79 passed); on
+#: the split FP8 row 128 keys in 2 stages ran at 1.03 x the page boxes' 64 keys without it (374.5 vs 365.1
+#: TFLOP/s; 1.02 x with 32-slot pages, 420.6 vs 413.2), 64 keys with it at 0.94 x (343.8): the policy's choice on
+#: 128-key tiles (:func:`pagedprefill_sm80.policy.hopper_schedule`). A key cache that the page boxes cannot describe
+#: takes the copies on that tile, whose producer spills 24 bytes at head size 128.
 #: ``POLY_EXP2`` computes every other key's exponential in the consumers' softmax by a cubic and an exponent-bit
 #: add on the FMA pipe instead of the special-function unit (relative error 1.0e-4, below bfloat16's 3.9e-3 for
 #: P; a masked key's is exactly 0). At head size 64 the exponentials kept the special-function pipe as busy as the
 #: tensor pipe (43% / 42%, run 13's profile). Compiled for sm90 at head size 64: half the ``MUFU.EX2`` per tile
 #: (132 against 260 in the NHD kernel), no spills, no shared-memory round trip. ``POLY_QUARTER`` (with it) takes a
-#: quarter of them off the unit instead of half, in case the FMA pipe's share then bounds the softmax. Built after
-#: run 14, not yet run.
+#: quarter of them off the unit instead of half, in case the FMA pipe's share then bounds the softmax. Run 15
+#: (H200): both passed ``hopper_check.py`` (44 of 44) and both were slower on the D64 row, ``POLY_EXP2`` 0.70 x on
+#: NHD (270.9 vs 384.9 TFLOP/s) and 0.84 x on split (294.2 vs 348.4), ``POLY_QUARTER`` 0.87 x and 0.95 x (335.3,
+#: 330.5): the cubic's instructions cost the consumers more issue slots than the special-function unit's queue
+#: did. Off.
 #: Run 7 (H200, docs/performance.md): ``PRODUCER_WIDENS`` passed hopper_check.py's 37 cases and was 1.12 x the
 #: consumers widening their own copies on the FP8 row (266.9 vs 238.6 TFLOP/s): on by default.
 #: ``WIDE_PRODUCER`` passed them too and was 0.97 x (355.1 vs 365.8 on the split prefix-cached row): off, but for
