@@ -149,7 +149,8 @@ def test_calls_the_hopper_kernel_does_not_take_get_a_portable_tile_that_fits(tmp
 
 
 @pytest.mark.parametrize("head_size,layout,kv", [(64, "nhd", "auto"), (128, "nhd", "auto"), (128, "split", "auto"),
-                                                 (96, "nhd", "auto"), (256, "nhd", "auto"), (128, "nhd", "fp8_e4m3")])
+                                                 (96, "nhd", "auto"), (256, "nhd", "auto"), (128, "nhd", "fp8_e4m3"),
+                                                 (128, "split", "fp8_e4m3"), (64, "split", "fp8_e5m2")])
 @pytest.mark.parametrize("num_tokens,num_seqs", [(4096, 4), (64 * 128, 64)])
 def test_hopper_search_space_holds_tiles_the_kernel_takes(monkeypatch, head_size, layout, kv, num_tokens, num_seqs):
     """Where the policy runs the Hopper kernel, ``pagedprefill tune`` measures Hopper tiles: the rule's first,

@@ -46,15 +46,18 @@ HOPPER_BY_DEFAULT = True
 #: (NHD) and 1.39 x (split, run 8: 308.4 vs 221.2 TFLOP/s); 256: 1.05 x (NHD) and 1.19 x (split, run 8: 339.7
 #: vs 286.0). An FP8 e4m3 cache at head size 128 (NHD) since run 7, with the producer widening each tile once
 #: (``PRODUCER_WIDENS``): 1.19 x with 128 keys per step (run 8: 305.2 vs 256.2; 64 keys: 266.8); in the split
-#: layout since run 9, 64 keys per step: 1.15 x (248.6 vs 215.5; 3 stages 250.0, within the rounds). Other FP8
-#: pairs (e5m2, head sizes other than 128) are not timed and stay on the portable kernel.
+#: layout since run 9, 64 keys per step: 1.15 x (248.6 vs 215.5; 3 stages 250.0, within the rounds). The other
+#: FP8 pairs since run 15 (the FP8 prefix-cached row at their head size and format, NHD / split): e4m3 at head
+#: size 64 1.18 / 1.19 x (311.5 / 282.4 vs 264.8 / 236.4), at 96 1.83 / 1.45 x; e5m2 at 64 1.13 / 1.07 x, at 96
+#: 1.58 / 1.34 x, at 128 1.57 / 1.54 x (458.8 / 375.2 vs 291.5 / 243.9).
 #: ``(layout, head size, cache dtype)`` routes the Hopper kernel is built for but ``auto`` does not take yet,
 #: whatever :data:`HOPPER_WINS` says, because they have not yet passed the suites on a GPU
 #: (``PAGEDPREFILL_SM80_KERNEL=hopper`` runs them). Empty since run 9: the split layout's head sizes 96 and 256
 #: left it in run 8; its FP8 cache (keys and V^T values by 16-byte copies into the FP8 ring, widened by the
 #: producer) passed the suites on the H200 and ran 248.6 vs 215.5 TFLOP/s on the portable kernel (1.15 x).
 UNVERIFIED: frozenset = frozenset()
-HOPPER_WINS = frozenset({(64, "auto"), (96, "auto"), (128, "auto"), (256, "auto"), (128, "fp8_e4m3")})
+HOPPER_WINS = frozenset({(64, "auto"), (96, "auto"), (128, "auto"), (256, "auto"),
+                         *((head_size, cache) for head_size in (64, 96, 128) for cache in ("fp8_e4m3", "fp8_e5m2"))})
 
 
 #: Head sizes at which the split layout's 16-bit cache is read by the Hopper kernel's ``KEY_LOADS`` and
@@ -95,8 +98,8 @@ def hopper_schedule(shape: ProblemShape, block_n: Optional[int] = None) -> dict:
     1.16 x on the FP8 prefix-cached row (365.0 vs 313.9 TFLOP/s), 1.20 x with pages of 32 slots (419.8 vs
     349.7), level at head size 64 (245.2 vs 245.8; run 14). On tiles of more than 64 keys the producer also widens
     the cached values into the V ring (``WIDEN_TO_V``), which frees the V^T ring's room for 128 keys in 2 stages:
-    1.03 x over 64 keys without it (374.5 vs 365.1), 1.02 x with pages of 32 slots (420.6 vs 413.2); on 64-key
-    tiles it was 0.94 x (343.8; run 15)."""
+    1.03 x over 64 keys without it (374.5 vs 365.1), 1.02 x with pages of 32 slots (420.6 vs 413.2), 1.16 x at
+    head size 64 (282.4 vs 243.1); on 64-key tiles it was 0.94 x (343.8; run 15)."""
     if shape.layout != "split":
         return {}
     block_n = hopper_config(shape).block_n if block_n is None else block_n
@@ -164,22 +167,24 @@ def hopper_config(shape: ProblemShape) -> TileConfig:
       a third stage measured level with two in run 7);
     * head size 256: 64 keys in a 2-deep ring (the accumulator and K/V tiles are twice as large); 32 keys in
       the split layout, whose V^T ring takes the room of a third K/V tile;
-    * an FP8 cache in the split layout at head sizes 64 and 128: 128 keys in a 2-deep ring, its cached values
-      widened into the V ring (:func:`hopper_schedule`; 1.03 x over 64 keys in run 15); at head size 96, whose
-      padded head takes the copies, 64 keys in a 2-deep ring (its FP8 ring beside the V^T ring, 161 KiB; 128
-      keys would take 289 KiB, and beside the V ring the copies' producer spills).
+    * an FP8 cache in the split layout, long calls at head sizes 64 and 128: 128 keys in a 2-deep ring, its
+      cached values widened into the V ring (:func:`hopper_schedule`; 1.03 x over 64 keys beside a V^T ring at
+      head size 128 in run 15, 1.16 x at 64). Its short calls, and head size 96, whose padded head takes the
+      copies: 64 keys in a 2-deep ring (its FP8 ring beside the V^T ring, 161 KiB; 128 keys would take 289 KiB).
+      On the many-short row with an FP8 cache, 128 keys were 0.97 x (315.2 vs 323.8, run 15); at head size 96
+      the copies' producer spills beside the V ring.
     """
     heads = max(1, min(shape.group_size, 4 if shape.workload == "short" else 2))
     if shape.head_size_padded > 128 and shape.layout == "split":
         block_n, stages = 32, 2  # beside the split layout's own V^T ring (164 KiB)
-    elif shape.head_size_padded > 128 or (shape.layout == "split" and shape.kv_cache_dtype != "auto"
-                                          and shape.head_size != shape.head_size_padded):
+    elif shape.head_size_padded > 128 or (shape.layout == "split" and shape.kv_cache_dtype != "auto" and (
+            shape.workload == "short" or shape.head_size != shape.head_size_padded)):
         block_n, stages = 64, 2
     elif shape.head_size_padded <= 64 and shape.layout == "nhd" and shape.workload == "long" \
             and shape.kv_cache_dtype == "auto":
         block_n, stages = 256, 3
     elif shape.layout == "nhd" or shape.workload == "long" or shape.head_size in WIDE_SHORT_SPLIT_HEAD_SIZES:
-        # (an FP8 cache at head sizes 64 and 128 in either layout)
+        # (an FP8 cache: NHD, and the split layout's long calls at head sizes 64 and 128)
         block_n, stages = 128, 2
     else:
         block_n, stages = 64, 3
