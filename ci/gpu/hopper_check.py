@@ -44,7 +44,7 @@ CASES = {
     "split": dict(layout="split"), "split_d64": dict(layout="split", head_size=64),
     "split_bs64": dict(layout="split", block_size=64), "split_window_alibi": dict(layout="split", sliding_window=100,
                                                                                    alibi=True),
-    "split_d256": dict(layout="split", head_size=256),  # 32 keys per step (or 64 under --schedule SHARED_V=1)
+    "split_d256": dict(layout="split", head_size=256),  # 32 keys per step (64 under --schedule NEW_VALUES_T=1)
     "split_d96": dict(layout="split", head_size=96),
     "split_d96_mqa_features": dict(layout="split", head_size=96, num_kv_heads=1, sliding_window=100, alibi=True,
                                    sinks=True, fp8_out_scale=0.25),
@@ -105,11 +105,6 @@ VARIANTS = [
     # The split layout's key copies shared by a producer warpgroup (and the values' too, with VT_COPIES).
     ("pingpong-wide-producer", {}, dict(HEAVY_FIRST=True, PINGPONG=True, WIDE_PRODUCER=True)),
     ("pingpong-wide-producer-vt", {}, dict(HEAVY_FIRST=True, PINGPONG=True, WIDE_PRODUCER=True, VT_COPIES=True)),
-    # The split layout's V^T and V in one ring, and the third stage of 128 keys that this makes room for.
-    ("pingpong-shared-v", {}, dict(HEAVY_FIRST=True, PINGPONG=True, SHARED_V=True)),
-    ("pingpong-shared-v-n128-s3", dict(block_n=128, num_stages=3),
-     dict(HEAVY_FIRST=True, PINGPONG=True, SHARED_V=True)),
-    ("pingpong-shared-v-wide-producer", {}, dict(HEAVY_FIRST=True, PINGPONG=True, SHARED_V=True, WIDE_PRODUCER=True)),
     # The split layout's cached keys read by a producer warpgroup with loads and stores instead of 16-byte copies.
     ("pingpong-key-loads", {}, dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=True)),
     # ... and by 16-byte copies, as before the policy chose the two above for head sizes 128 and 256 (run 10).
@@ -138,9 +133,8 @@ VARIANTS = [
      dict(HEAVY_FIRST=True, PINGPONG=True, NEW_VALUES_T=True)),
     ("pingpong-new-values-t-n128-s3", dict(block_n=128, num_stages=3),
      dict(HEAVY_FIRST=True, PINGPONG=True, NEW_VALUES_T=True)),
-    # Every other (every fourth) key's exponential by a cubic on the FMA pipe instead of the special-function unit.
-    ("pingpong-poly-exp2", {}, dict(HEAVY_FIRST=True, PINGPONG=True, POLY_EXP2=True)),
-    ("pingpong-poly-quarter", {}, dict(HEAVY_FIRST=True, PINGPONG=True, POLY_EXP2=True, POLY_QUARTER=True)),
+    # The scale applied in each key's exponent by a fused multiply-add, the row maximum taken on the raw scores.
+    ("pingpong-fused-scale", {}, dict(HEAVY_FIRST=True, PINGPONG=True, FUSED_SCALE=True)),
     # Each consumer thread handing a buffer back by an arrival of its own, without a barrier among its warps first.
     ("pingpong-thread-arrivals", {}, dict(HEAVY_FIRST=True, PINGPONG=True, THREAD_ARRIVALS=True)),
     # The split layout's cached FP8 keys and values by unswizzled TMA boxes, one per page each (the policy's since

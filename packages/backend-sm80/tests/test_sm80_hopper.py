@@ -146,7 +146,6 @@ SCHEDULES = {
     "pingpong-overlap-turns": dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=True, OVERLAP=True),
     "pingpong-vt-copies": dict(HEAVY_FIRST=True, PINGPONG=True, VT_COPIES=True),
     "pingpong-wide-producer": dict(HEAVY_FIRST=True, PINGPONG=True, WIDE_PRODUCER=True),
-    "pingpong-shared-v": dict(HEAVY_FIRST=True, PINGPONG=True, SHARED_V=True),
     "pingpong-producer-widens": dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=True),
     "pingpong-consumers-widen": dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=False),
     "pingpong-key-loads": dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=True),
@@ -223,7 +222,7 @@ def test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma():
         # and is exact but for its 1 KiB allowance for the barriers under that schedule.
         if summary["shared_bytes"] is not None:
             assert summary["shared_bytes"] <= summary["modelled_shared"], name
-            if name.endswith(("/pingpong", "/pingpong-shared-v", "/pingpong-producer-widens")):
+            if name.endswith(("/pingpong", "/pingpong-producer-widens")):
                 assert summary["modelled_shared"] - summary["shared_bytes"] <= 1024, name
         # No instruction touches registers an asynchronous warpgroup MMA still owns (P of an in-flight P V).
         assert summary["wgmma_hazards"] in (0, None), name
@@ -234,8 +233,8 @@ def test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma():
         fp8 = "kv_cache_dtype" in COMPILED[call]
         if call.startswith("split") and fp8:
             # An FP8 cache's values come by 16-byte copies already, widened by a producer warpgroup, into a
-            # V^T ring of their own: those three schedules change nothing.
-            assert copies == pingpong == wide == summaries[f"{call}/pingpong-shared-v"], call
+            # V^T ring of their own: those two schedules change nothing.
+            assert copies == pingpong == wide, call
         elif call.startswith("split"):  # the cached values by 16-byte copies too, and no value box left
             assert copies["tma_copies"] < pingpong["tma_copies"], call
             if COMPILED[call].get("head_size", 128) <= 128:
@@ -245,12 +244,8 @@ def test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma():
             else:  # head size 256: the producer is a warpgroup already (a [256, 32] V^T tile copies by rows)
                 assert copies["async_copies"] > pingpong["async_copies"], call
                 assert wide == pingpong, call
-            # One ring for V^T and V: a third less shared memory for the K/V rings.
-            shared_v = summaries[f"{call}/pingpong-shared-v"]
-            assert shared_v["shared_bytes"] < pingpong["shared_bytes"], call
-            assert shared_v["modelled_shared"] < pingpong["modelled_shared"], call
         else:  # nothing to copy differently in the NHD layout
-            assert copies == pingpong == wide == summaries[f"{call}/pingpong-shared-v"], call
+            assert copies == pingpong == wide, call
         key_loads = summaries[f"{call}/pingpong-key-loads"]
         if call.startswith("split"):
             # The keys by loads and stores of a producer warpgroup: fewer copies (an FP8 cache's values only),
@@ -436,16 +431,16 @@ def test_auto_takes_the_split_layouts_fp8_cache(monkeypatch):
 
 def test_flags_that_do_not_apply_to_a_call_are_dropped_for_the_launch_and_the_memory_model():
     """``resolve_schedule`` is what the launch compiles and what ``shared_bytes`` counts: the split layout's
-    FP8 cache keeps its own V^T ring under ``SHARED_V`` and is widened by the producer under every schedule."""
+    FP8 cache is widened by the producer under every schedule, and not overlapped."""
     from pagedprefill_sm80.hopper.launch import resolve_schedule, shared_bytes
 
     split_fp8 = shape(kv_cache_dtype="fp8_e4m3", layout="split")
     config = hopper_config(split_fp8)
-    odd = dict(SHARED_V=True, PRODUCER_WIDENS=False, OVERLAP=True)
+    odd = dict(PRODUCER_WIDENS=False, OVERLAP=True)
     flags = resolve_schedule(split_fp8, config, odd)
-    assert (flags["SHARED_V"], flags["PRODUCER_WIDENS"], flags["OVERLAP"]) == (False, True, False)
+    assert (flags["PRODUCER_WIDENS"], flags["OVERLAP"]) == (True, False)
     assert shared_bytes(split_fp8, config, odd) == shared_bytes(split_fp8, config)
-    assert resolve_schedule(shape(layout="split"), config, odd)["SHARED_V"]  # a 16-bit cache shares the ring
+    assert resolve_schedule(shape(layout="split"), config, odd)["OVERLAP"]  # a 16-bit cache takes it
 
 
 def test_key_loads_apply_to_split_tiles_of_at_least_32_keys_with_a_warpgroups_registers(monkeypatch):
@@ -808,8 +803,8 @@ def compile_f32_widening() -> dict:
 
 
 def test_new_values_transposed_apply_to_the_split_layouts_16_bit_cache_and_free_its_third_ring(monkeypatch):
-    """``NEW_VALUES_T`` (off: run 14 measured it) applies to the split layout's 16-bit cache only (not NHD, an
-    FP8 cache or ``SHARED_V``); without the new tokens' V ring a split tile takes NHD's shared memory, so head
+    """``NEW_VALUES_T`` (off: run 14 measured it) applies to the split layout's 16-bit cache only (not NHD or an
+    FP8 cache); without the new tokens' V ring a split tile takes NHD's shared memory, so head
     size 256 fits 64 keys in 2 stages and head size 128 fits 128 keys in 3 on an H200; the launch's constexprs
     carry it, and a token stride the producer's 32-bit offsets cannot span is refused by name."""
     from pagedprefill_sm80.hopper.launch import SCHEDULE, resolve_schedule, shape_unfit_reason, shared_bytes
@@ -821,7 +816,6 @@ def test_new_values_transposed_apply_to_the_split_layouts_16_bit_cache_and_free_
     assert not resolve_schedule(split, hopper_config(split))["NEW_VALUES_T"]
     for other in (shape(layout="nhd"), shape(layout="split", kv_cache_dtype="fp8_e4m3")):
         assert not resolve_schedule(other, hopper_config(other), flag)["NEW_VALUES_T"]
-    assert not resolve_schedule(split, hopper_config(split), dict(flag, SHARED_V=True))["NEW_VALUES_T"]
     for head_size, tile in ((256, dict(block_n=64, num_stages=2)), (128, dict(block_n=128, num_stages=3))):
         s = shape(layout="split", head_size=head_size)
         config = hopper_config(s).with_(**tile)
@@ -1023,68 +1017,68 @@ def compile_widen_to_v() -> dict:
     return out
 
 
-def test_poly_exp2_constants_and_exponent_bits_match_exp2():
-    """``POLY_EXP2``'s steps (:func:`pagedprefill_sm80.hopper.kernel._exp2_poly`) in float32 on the CPU with the
-    kernel's constants: within 1.1e-4 of ``2**x`` (relative) from -126 to 0, exactly 0 at -127 and below and at
-    -inf, and exactly 1 at 0."""
-    from pagedprefill_sm80.hopper.kernel import EXP2_C1, EXP2_C2, EXP2_C3, ROUNDING_SHIFT
+def assert_off_by_default_and_on_every_route_when_asked(name: str) -> None:
+    """The schedule flag ``name`` is off in the kernel's defaults and the policy's, and on for both layouts and
+    cache formats when a caller asks for it."""
+    from pagedprefill_sm80.hopper.launch import SCHEDULE, resolve_schedule
 
-    c1, c2, c3, shift = (torch.tensor(c.value, dtype=torch.float32) for c in (EXP2_C1, EXP2_C2, EXP2_C3,
-                                                                             ROUNDING_SHIFT))
-    x = torch.cat([torch.linspace(-126.0, 0.0, 200001), torch.randn(10000).abs().neg() * 20,
-                   torch.tensor([-127.0, -200.0, float("-inf"), 0.0])]).to(torch.float32)
-    clamped = torch.clamp(x, min=-127.0)
-    shifted = clamped + shift
-    f = clamped - (shifted - shift)
-    two_f = 1.0 + f * (c1 + f * (c2 + f * c3))
-    y = (two_f.view(torch.int32) + (shifted.view(torch.int32) << 23)).view(torch.float32)
-    exact = torch.exp2(x.double())
-    normal = x >= -126.0
-    assert ((y.double()[normal] - exact[normal]).abs() / exact[normal]).max() < 1.1e-4
-    assert torch.equal(y[-4:-1], torch.zeros(3)) and y[-1] == 1.0
+    assert not SCHEDULE[name]
+    for layout in ("nhd", "split"):
+        for cache in ("auto", "fp8_e4m3"):
+            s = shape(layout=layout, kv_cache_dtype=cache)
+            assert resolve_schedule(s, hopper_config(s), {name: True})[name], (name, layout, cache)
+            assert not resolve_schedule(s, hopper_config(s))[name], (name, layout, cache)
 
 
-def test_poly_exp2_halves_the_special_function_units_exponentials():
-    """``POLY_EXP2`` (off by default, not yet run) compiled for sm90 at head size 64 (NHD, the policy's 256-key
-    tile): half the ``MUFU.EX2`` instructions (three quarters with ``POLY_QUARTER``, which applies only with it),
-    the same registers, no spills, and no more shared-memory stores (the splits into pairs of keys and the joins
-    move no data)."""
-    from pagedprefill_sm80.hopper.launch import resolve_schedule
+def test_fused_scale_applies_to_every_route_and_reaches_the_launch():
+    """``FUSED_SCALE`` (off by default, not yet run) is a flag of every route, both layouts and cache formats
+    (the kernel leaves it aside for calls with softcap or ALiBi), and the launch's constexprs carry it."""
+    assert_off_by_default_and_on_every_route_when_asked("FUSED_SCALE")
+    problem = make_problem(SPEC)
+    s = problem_shape(problem)
+    assert kernel_call(problem, hopper_config(s), s, dict(FUSED_SCALE=True)).constexprs["FUSED_SCALE"]
 
-    nhd = shape(head_size=64)
-    assert resolve_schedule(nhd, hopper_config(nhd), dict(POLY_EXP2=True, POLY_QUARTER=True))["POLY_QUARTER"]
-    assert not resolve_schedule(nhd, hopper_config(nhd), dict(POLY_QUARTER=True))["POLY_QUARTER"]
-    summaries = child_result("compile_poly_exp2")
+
+def test_fused_scale_takes_a_multiply_per_key_off_the_softmax():
+    """``FUSED_SCALE`` compiled for sm90 at head size 64 (NHD, the policy's 256-key tile): per key, the scale's
+    multiply and the maximum's subtraction become one fused multiply-add, so the multiplies and adds together
+    drop by at least one per key of each consumer's softmax (two consumers, 128 keys per thread each); the same
+    exponentials, no spills, no more registers. With softcap and ALiBi, which need the scaled scores, the code is
+    the same as without the flag."""
+    summaries = child_result("compile_fused_scale")
     if summaries is None:
         pytest.skip("this Triton has no bundled nvdisasm to read the sm90 instructions with")
-    plain, poly, quarter = summaries
-    for variant in (poly, quarter):
-        assert variant["spill_bytes"] in (0, None) and variant["registers"] == plain["registers"], (plain, variant)
-        assert variant["shared_stores"] == plain["shared_stores"], (plain, variant)
-    assert poly["exponentials"] * 2 <= plain["exponentials"] + 8 and poly["exponentials"] > 0, (plain, poly)
-    assert poly["exponentials"] < quarter["exponentials"] < plain["exponentials"], (plain, poly, quarter)
+    plain, fused, plain_features, fused_features = summaries
+    assert fused["spill_bytes"] in (0, None) and fused["registers"] <= plain["registers"], (plain, fused)
+    assert fused["exponentials"] == plain["exponentials"], (plain, fused)
+    per_key = plain["multiplies"] + plain["adds"] - fused["multiplies"] - fused["adds"]
+    assert per_key >= 2 * 128 and fused["fused"] >= plain["fused"] + 2 * 128, (plain, fused)
+    assert fused_features == plain_features, (plain_features, fused_features)
 
 
-def compile_poly_exp2() -> Optional[list]:
-    """Registers, spills, ``MUFU.EX2`` and shared-memory store counts of the head-size-64 NHD call's sm90 code,
-    without ``POLY_EXP2``, with it and with ``POLY_QUARTER`` too (None without a bundled ``nvdisasm``)."""
+def compile_fused_scale() -> Optional[list]:
+    """Registers, spills and ``MUFU.EX2``, ``FMUL``, ``FADD`` and ``FFMA`` counts of the head-size-64 NHD call's
+    sm90 code without and with ``FUSED_SCALE``, then of the same call with softcap and ALiBi (None without a
+    bundled ``nvdisasm``)."""
     import re
 
     from pagedprefill.triton.codegen import compile_call, sass, summarize
     from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
 
-    problem = make_problem(SPEC.replace(head_size=64, query_lens=(400, 300), context_lens=(500, 0)))
-    s = problem_shape(problem)
     out = []
-    for flags in ({}, dict(POLY_EXP2=True), dict(POLY_EXP2=True, POLY_QUARTER=True)):
-        compiled = compile_call(hopper_prefill_kernel, kernel_call(problem, hopper_config(s), s, flags), 90)
-        code = sass(compiled)
-        if code is None:
-            return None
-        summary = summarize(compiled, 90).to_dict()
-        out.append(dict(registers=summary["registers"], spill_bytes=summary["spill_bytes"],
-                        exponentials=len(re.findall(r"MUFU\.EX2", code)),
-                        shared_stores=len(re.findall(r"\bSTS\b", code))))
+    for features in ({}, dict(softcap=10.0, alibi=True)):
+        problem = make_problem(SPEC.replace(head_size=64, query_lens=(400, 300), context_lens=(500, 0), **features))
+        s = problem_shape(problem)
+        for flags in ({}, dict(FUSED_SCALE=True)):
+            compiled = compile_call(hopper_prefill_kernel, kernel_call(problem, hopper_config(s), s, flags), 90)
+            code = sass(compiled)
+            if code is None:
+                return None
+            summary = summarize(compiled, 90).to_dict()
+            out.append(dict(registers=summary["registers"], spill_bytes=summary["spill_bytes"],
+                            exponentials=len(re.findall(r"MUFU\.EX2", code)),
+                            multiplies=len(re.findall(r"\bFMUL\b", code)), adds=len(re.findall(r"\bFADD\b", code)),
+                            fused=len(re.findall(r"\bFFMA\b", code))))
     return out
 
 
@@ -1092,15 +1086,10 @@ def test_thread_arrivals_apply_where_the_consumers_hand_back_after_their_mmas():
     """``THREAD_ARRIVALS`` (off by default: level in run 13) applies on both layouts, 16-bit and FP8 caches that
     the producer widens; not where each consumer widens its own FP8 copies (their hand-back follows the barrier
     the widening needs), and the launch's constexprs carry it."""
-    from pagedprefill_sm80.hopper.launch import SCHEDULE, resolve_schedule
+    from pagedprefill_sm80.hopper.launch import resolve_schedule
 
-    assert not SCHEDULE["THREAD_ARRIVALS"]
+    assert_off_by_default_and_on_every_route_when_asked("THREAD_ARRIVALS")
     arrivals = dict(THREAD_ARRIVALS=True)
-    for layout in ("nhd", "split"):
-        for cache in ("auto", "fp8_e4m3"):
-            s = shape(layout=layout, kv_cache_dtype=cache)
-            assert resolve_schedule(s, hopper_config(s), arrivals)["THREAD_ARRIVALS"], (layout, cache)
-            assert not resolve_schedule(s, hopper_config(s))["THREAD_ARRIVALS"], (layout, cache)
     fp8 = shape(kv_cache_dtype="fp8_e4m3")
     assert not resolve_schedule(fp8, hopper_config(fp8), dict(arrivals, PRODUCER_WIDENS=False))["THREAD_ARRIVALS"]
     problem = make_problem(SPEC)

@@ -593,42 +593,17 @@ def _widen(src, dst, COLS: gl.constexpr, NUM_WARPS: gl.constexpr, VIA_F32: gl.co
     target.store(tile.to(dst.dtype))
 
 
-#: ``2**f`` on ``[-0.5, 0.5]`` as ``1 + f * (C1 + f * (C2 + f * C3))``: a cubic fitted for the least largest
-#: relative error with the constant term held at 1 (1.0e-4, against bfloat16's 3.9e-3 for P).
-EXP2_C1 = gl.constexpr(0.6932829)
-EXP2_C2 = gl.constexpr(0.24221075)
-EXP2_C3 = gl.constexpr(0.05500894)
-#: 1.5 * 2**23: a float32 sum with it keeps the nearest integer of the other addend in its low mantissa bits.
-ROUNDING_SHIFT = gl.constexpr(12582912.0)
-
-
-@gluon.jit
-def _exp2_poly(x):
-    """``2**x`` for ``x <= 0`` on the FMA and integer pipes instead of the special-function unit: ``x = n + f``
-    with ``n`` the nearest integer, ``2**f`` by a cubic (:data:`EXP2_C1`...), and ``n`` added to its exponent
-    bits. At head size 64 the softmax's exponentials keep the special-function unit as busy as the MMAs keep
-    the tensor cores (run 13's profile); the FMA pipe has room. ``x = -inf`` (a masked key) gives exactly 0: it is
-    clamped to -127, where ``f = 0`` and the exponent bits cancel."""
-    x = gl.maximum(x, -127.0)
-    shifted = x + ROUNDING_SHIFT
-    f = x - (shifted - ROUNDING_SHIFT)
-    two_f = 1.0 + f * (EXP2_C1 + f * (EXP2_C2 + f * EXP2_C3))
-    # shifted's bits are those of 1.5 * 2**23 plus n in their low bits, and 1.5 * 2**23's own bits vanish
-    # in the shift: what is added is n << 23, n times the exponent's unit.
-    bits = two_f.to(gl.int32, bitcast=True) + (shifted.to(gl.int32, bitcast=True) << 23)
-    return bits.to(gl.float32, bitcast=True)
-
-
 @gluon.jit
 def _softmax_tile(scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap, qk_scale,
                   cache_start, cache_tiles, new_start, pos_first, full_from, p_layout: gl.constexpr,
                   p_dtype: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, NEW_KV_IN_CACHE: gl.constexpr,
-                  POLY_EXP2: gl.constexpr, POLY_QUARTER: gl.constexpr):
+                  FUSED_SCALE: gl.constexpr):
     """One online-softmax step on the raw scores of key tile ``it``: log2-domain logits (scale, softcap,
     ALiBi), masks only where the tile needs them, the running max and sum, and P as the next MMA's operand.
-    ``POLY_EXP2``: every other key's exponential by :func:`_exp2_poly`, off the special-function unit
-    (``POLY_QUARTER``: every fourth key's).
+    ``FUSED_SCALE`` (without softcap and ALiBi, which need the scaled scores): the row maximum is taken on the
+    raw scores and scaled once per row (``qk_scale`` is positive, so it is the same maximum), and each key's
+    scale and subtraction of the maximum are one fused multiply-add, where they were a multiply and an add.
 
     Returns ``(P, alpha, m, l)``; the caller rescales its accumulator by ``alpha``. Rows that have seen no key
     yet keep ``m = -inf`` and contribute nothing (no NaN).
@@ -648,34 +623,25 @@ def _softmax_tile(scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, k
     if WINDOW:
         needs_mask = needs_mask | (n0 < full_from)
     k_pos = n0 + offs_n
+    SCALE_IN_EXP: gl.constexpr = FUSED_SCALE and not SOFTCAP and not ALIBI
     if SOFTCAP:
         scores = soft_cap(scores * qk_scale, softcap) * LOG2E
-    else:
+    elif not SCALE_IN_EXP:
         scores = scores * qk_scale
     if ALIBI:
         scores += gl.expand_dims(alibi2, 1) * (gl.expand_dims(k_pos, 0) - gl.expand_dims(q_pos, 1)).to(gl.float32)
     if needs_mask:
         scores = gl.where(visible(q_pos, k_pos, k_pos < key_end, window, CAUSAL, WINDOW), scores, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(scores, 1))
+    row_max = gl.max(scores, 1)
+    if SCALE_IN_EXP:
+        row_max = row_max * qk_scale
+    m_new = gl.maximum(m_i, row_max)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_use)
-    logits = scores - gl.expand_dims(m_use, 1)
-    if POLY_EXP2:
-        # A thread of the MMA's layout holds pairs of adjacent keys: one of each pair on each unit.
-        ROWS: gl.constexpr = logits.shape[0]
-        on_unit, by_poly = logits.reshape([ROWS, BLOCK_N // 2, 2]).split()
-        if POLY_QUARTER:
-            # ... and, of those pairs' second keys, pairs eight keys apart (its next register): half each way.
-            quarters = by_poly.reshape([ROWS, BLOCK_N // 16, 2, 4]).permute((0, 1, 3, 2))
-            second_unit, second_poly = quarters.split()
-            by_poly = gl.join(gl.exp2(second_unit), _exp2_poly(second_poly)).permute((0, 1, 3, 2))
-            by_poly = gl.convert_layout(by_poly.reshape([ROWS, BLOCK_N // 2]), on_unit.type.layout)  # (no data moves)
-        else:
-            by_poly = _exp2_poly(by_poly)
-        p = gl.join(gl.exp2(on_unit), by_poly).reshape([ROWS, BLOCK_N])
-        p = gl.convert_layout(p, logits.type.layout)  # the same layout, written as the MMA's: no data moves
+    if SCALE_IN_EXP:
+        p = gl.exp2(scores * qk_scale - gl.expand_dims(m_use, 1))  # a masked key: -inf * scale - m = -inf
     else:
-        p = gl.exp2(logits)
+        p = gl.exp2(scores - gl.expand_dims(m_use, 1))
     l_i = l_i * alpha + gl.sum(p, 1)
     return gl.convert_layout(p.to(p_dtype), p_layout), alpha, m_new, l_i
 
@@ -705,7 +671,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
               SPLIT: gl.constexpr, TURNS: gl.constexpr, OVERLAP: gl.constexpr, FP8_CACHE: gl.constexpr,
               K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, HEAD_DIM: gl.constexpr,
               PRODUCER_WIDENS: gl.constexpr, THREAD_ARRIVALS: gl.constexpr, NEW_VALUES_T: gl.constexpr,
-              WIDEN_TO_V: gl.constexpr, POLY_EXP2: gl.constexpr, POLY_QUARTER: gl.constexpr):
+              WIDEN_TO_V: gl.constexpr, FUSED_SCALE: gl.constexpr):
     """Consume the ring for rows ``ROW0 .. ROW0 + BLOCK_M`` of the tile (``q_smem`` holds those rows):
     scores, online softmax and ``P V`` per key tile; then normalise and store.
 
@@ -780,7 +746,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
             p_op, alpha, m_i, l_i = _softmax_tile(
                 scores, m_i, l_i, 0, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap, qk_scale,
                 cache_start, cache_tiles, new_start, pos_first, full_from, p_layout, q_smem.dtype, BLOCK_N, CAUSAL,
-                WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE, POLY_EXP2, POLY_QUARTER)
+                WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE, FUSED_SCALE)
         for it in range(total):
             s = it % STAGES
             has_next = it + 1 < total
@@ -814,7 +780,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
                 p_op, alpha, m_i, l_i = _softmax_tile(
                     scores, m_i, l_i, it + 1, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap,
                     qk_scale, cache_start, cache_tiles, new_start, pos_first, full_from, p_layout, q_smem.dtype,
-                    BLOCK_N, CAUSAL, WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE, POLY_EXP2, POLY_QUARTER)
+                    BLOCK_N, CAUSAL, WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE, FUSED_SCALE)
             if not CACHED_VT:
                 acc, p_in_flight = warpgroup_mma_wait(0, deps=[acc_token, p_in_flight])
             _hand_back(empty.index(s), THREAD_ARRIVALS)
@@ -850,7 +816,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
             p_op, alpha, m_i, l_i = _softmax_tile(
                 scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap, tile_scale,
                 cache_start, cache_tiles, new_start, pos_first, full_from, p_layout, q_smem.dtype, BLOCK_N, CAUSAL,
-                WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE, POLY_EXP2, POLY_QUARTER)
+                WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE, FUSED_SCALE)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             if WIDENS and from_cache:
                 acc = warpgroup_mma(p_op, vc_smem, acc)
@@ -905,10 +871,10 @@ def hopper_prefill_kernel(
     OUT_SCALE_PTR: gl.constexpr, OUT_MAX: gl.constexpr, HEAVY_FIRST: gl.constexpr,
     SPLIT: gl.constexpr, X: gl.constexpr, PINGPONG: gl.constexpr, TURNS: gl.constexpr, OVERLAP: gl.constexpr,
     FP8_CACHE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, HEAD_DIM: gl.constexpr,
-    VT_COPIES: gl.constexpr, WIDE_PRODUCER: gl.constexpr, SHARED_V: gl.constexpr, PRODUCER_WIDENS: gl.constexpr,
+    VT_COPIES: gl.constexpr, WIDE_PRODUCER: gl.constexpr, PRODUCER_WIDENS: gl.constexpr,
     KEY_LOADS: gl.constexpr, VALUES_FIRST: gl.constexpr, EARLY_KEYS: gl.constexpr, F32_WIDENING: gl.constexpr,
     THREAD_ARRIVALS: gl.constexpr, NEW_VALUES_T: gl.constexpr, FP8_BOXES: gl.constexpr, WIDEN_TO_V: gl.constexpr,
-    POLY_EXP2: gl.constexpr, POLY_QUARTER: gl.constexpr,
+    FUSED_SCALE: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Prefix-prefill attention of one query tile on sm90 (see the module docstring).
@@ -929,7 +895,6 @@ def hopper_prefill_kernel(
     own and each consumer widens them to 16 bits before its MMAs; ``k_scale``/``v_scale`` (or the tensors behind
     ``k_scale_ptr``/``v_scale_ptr``) are folded into the logits and the output. ``WIDE_PRODUCER`` (split
     layout) gives the producer a warpgroup instead of one warp, so that four warps share its 16-byte copies.
-    ``SHARED_V`` (split layout): the cached tiles' V^T and the new-token tiles' V share one ring.
     ``PRODUCER_WIDENS`` (FP8 cache): a producer warpgroup widens each cached tile once into the 16-bit ring,
     instead of each consumer into its own copy. ``KEY_LOADS`` (split layout; 0 for off): the producer warpgroup
     reads the cached keys with loads and stores instead of asynchronous copies, ``KEY_LOADS`` keys (32 or 64) per
@@ -987,8 +952,8 @@ def hopper_prefill_kernel(
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_SIZE],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_SIZE], dtype), q)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_SIZE], dtype)
-    gl.static_assert(not NEW_VALUES_T or (SPLIT and not FP8_CACHE and not SHARED_V),
-                     "NEW_VALUES_T: the split layout's 16-bit cache, with a V^T ring of its own")
+    gl.static_assert(not NEW_VALUES_T or (SPLIT and not FP8_CACHE),
+                     "NEW_VALUES_T: the split layout's 16-bit cache")
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_SIZE], kv_layout)
     if not NEW_VALUES_T:  # (every tile's values go to the V^T ring otherwise)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_SIZE], kv_layout)
@@ -1004,12 +969,7 @@ def hopper_prefill_kernel(
                                                            element_bitwidth=dtype.primitive_bitwidth, rank=2)
         else:  # cached values as V^T pages by TMA: [D, BLOCK_N], each page a column block of the box's swizzle
             vt_layout: gl.constexpr = v_cache_t.layout
-        if SHARED_V:
-            # A stage holds either a cached tile (its values as V^T) or a new-token tile (V), never both: the
-            # two rings can be one allocation, seen in either layout.
-            vt_smem = v_smem._reinterpret(dtype, [STAGES, HEAD_SIZE, BLOCK_N], vt_layout)
-        else:
-            vt_smem = gl.allocate_shared_memory(dtype, [STAGES, HEAD_SIZE, BLOCK_N], vt_layout)
+        vt_smem = gl.allocate_shared_memory(dtype, [STAGES, HEAD_SIZE, BLOCK_N], vt_layout)
         if NEW_VALUES_T:
             v_smem = vt_smem  # not read: a placeholder in the ring's tuple
     else:
@@ -1093,13 +1053,13 @@ def hopper_prefill_kernel(
                          HEAD_SIZE, 0, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
                          TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS,
-                         THREAD_ARRIVALS, NEW_VALUES_T, WIDEN_TO_V, POLY_EXP2, POLY_QUARTER)),
+                         THREAD_ARRIVALS, NEW_VALUES_T, WIDEN_TO_V, FUSED_SCALE)),
             (_consumer, (q_smem.slice(ROWS, ROWS), ring, output, rows, walk, features, (turn.index(1), turn.index(0)),
                          (kc_smem.index(CONSUMERS - 1), vc_smem.index(CONSUMERS - 1)), kv_scales,
                          HEAD_SIZE, ROWS, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
                          TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS,
-                         THREAD_ARRIVALS, NEW_VALUES_T, WIDEN_TO_V, POLY_EXP2, POLY_QUARTER)),
+                         THREAD_ARRIVALS, NEW_VALUES_T, WIDEN_TO_V, FUSED_SCALE)),
             (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk, new_values,
                          num_tokens, HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
                          PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES, EARLY_KEYS, F32_WIDENING, NEW_VALUES_T,
@@ -1112,7 +1072,7 @@ def hopper_prefill_kernel(
                          HEAD_SIZE, 0, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
                          False, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS,
-                         THREAD_ARRIVALS, NEW_VALUES_T, WIDEN_TO_V, POLY_EXP2, POLY_QUARTER)),
+                         THREAD_ARRIVALS, NEW_VALUES_T, WIDEN_TO_V, FUSED_SCALE)),
             (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk, new_values,
                          num_tokens, HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
                          PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES, EARLY_KEYS, F32_WIDENING, NEW_VALUES_T,

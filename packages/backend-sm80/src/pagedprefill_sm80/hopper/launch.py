@@ -46,7 +46,7 @@ def shared_bytes(shape: ProblemShape, config: TileConfig, schedule: Optional[dic
     d = PADDED_HEADS.get(shape.head_size, shape.head_size)
     tile = config.block_n * d * 2  # one K or V tile in the input's 16-bit type
     total = config.block_m * d * 2 + config.num_stages * 2 * tile
-    if shape.layout == "split" and not (schedule["SHARED_V"] or schedule["NEW_VALUES_T"] or schedule["WIDEN_TO_V"]):
+    if shape.layout == "split" and not (schedule["NEW_VALUES_T"] or schedule["WIDEN_TO_V"]):
         total += config.num_stages * tile  # the new tokens' V ring beside the cached values' V^T ring
     if shape.kv_cache_dtype != "auto":
         consumers = 0 if schedule["PRODUCER_WIDENS"] else 2 if schedule["PINGPONG"] else 1
@@ -70,15 +70,9 @@ def shape_unfit_reason(shape: ProblemShape, config: TileConfig, max_shared: Opti
     if shape.head_size not in HEAD_SIZES:
         return f"is built for head sizes {HEAD_SIZES}, not {shape.head_size}"
     schedule = resolve_schedule(shape, config)
-    shared_v = schedule["SHARED_V"]
-    if shape.head_size in PADDED_HEADS and shared_v:
-        return f"reads head size {shape.head_size} (padded to {PADDED_HEADS[shape.head_size]}) in the split " \
-               f"layout with a V^T ring of its own, not under the SHARED_V schedule"
-    if shape.layout == "split" and shape.head_size > 128 and not (shared_v or schedule["NEW_VALUES_T"]) \
-            and config.block_n > 32:
+    if shape.layout == "split" and shape.head_size > 128 and not schedule["NEW_VALUES_T"] and config.block_n > 32:
         return f"reads the split layout at head size {shape.head_size} with up to 32 keys per step (its V^T ring " \
-               f"takes shared memory; the SHARED_V and NEW_VALUES_T schedules make room for more), not " \
-               f"block_n={config.block_n}"
+               f"takes shared memory; the NEW_VALUES_T schedule makes room for more), not block_n={config.block_n}"
     page, block_n = shape.block_size, config.block_n
     smallest = 16 if shape.layout == "split" else 8  # a V^T page box is at least one 32-byte swizzle atom wide
     if page < smallest or page & (page - 1) or not (block_n % page == 0 or page % block_n == 0):
@@ -288,9 +282,7 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: whose 32-byte swizzle (a page of 16 slots is 32 bytes wide) is what the P V MMA then reads. ``WIDE_PRODUCER``
 #: (split layout) makes the producer a warpgroup, so that four warps share the 16-byte copies of the cached keys
 #: (and of the values under ``VT_COPIES``) that one warp issues otherwise; the consumers then hold
-#: :data:`WIDE_CONSUMER_REGS` registers each. ``SHARED_V`` (split layout) keeps the cached tiles' V^T pages and
-#: the new-token tiles' V in one ring (a stage holds one or the other), which saves a third of the split
-#: layout's ring: room for a third stage of 128 keys, or head size 256. ``PRODUCER_WIDENS`` (FP8 cache) has a
+#: :data:`WIDE_CONSUMER_REGS` registers each. ``PRODUCER_WIDENS`` (FP8 cache) has a
 #: producer warpgroup widen each cached tile once into the 16-bit ring, up to a ring's depth ahead of the
 #: consumers, instead of each consumer widening its own copy before its MMAs (registers as ``WIDE_PRODUCER``,
 #: with :data:`WIDENING_PRODUCER_REGS` for the producer). ``KEY_LOADS`` (split layout, at least 32 keys per step)
@@ -329,7 +321,7 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: before the step's limit (none failed), and the timings were level (0.97-1.02 x on the long prefill,
 #: prefix-cached, window and D64 rows): the loop's other barrier remains, which Triton 3.6 places before every
 #: mbarrier wait in a loop (ci/mbarrier_wait_barriers.py). Off.
-#: ``NEW_VALUES_T`` (split layout, 16-bit cache, not ``SHARED_V``): the producer warpgroup loads the new tokens'
+#: ``NEW_VALUES_T`` (split layout, 16-bit cache): the producer warpgroup loads the new tokens'
 #: values and stores them transposed into the V^T ring (each thread an 8 x 8 block, transposed in its registers:
 #: 16-byte loads and 16-byte stores), so the split layout has two rings like NHD instead of three. That makes
 #: room for 64 keys per step at head size 256 (192 KiB in 2 stages, against 32 keys beside three rings) and for a
@@ -368,22 +360,20 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: TFLOP/s; 1.02 x with 32-slot pages, 420.6 vs 413.2), 64 keys with it at 0.94 x (343.8): the policy's choice on
 #: 128-key tiles (:func:`pagedprefill_sm80.policy.hopper_schedule`). A key cache that the page boxes cannot describe
 #: takes the copies on that tile, whose producer spills 24 bytes at head size 128.
-#: ``POLY_EXP2`` computes every other key's exponential in the consumers' softmax by a cubic and an exponent-bit
-#: add on the FMA pipe instead of the special-function unit (relative error 1.0e-4, below bfloat16's 3.9e-3 for
-#: P; a masked key's is exactly 0). At head size 64 the exponentials kept the special-function pipe as busy as the
-#: tensor pipe (43% / 42%, run 13's profile). Compiled for sm90 at head size 64: half the ``MUFU.EX2`` per tile
-#: (132 against 260 in the NHD kernel), no spills, no shared-memory round trip. ``POLY_QUARTER`` (with it) takes a
-#: quarter of them off the unit instead of half, in case the FMA pipe's share then bounds the softmax. Run 15
-#: (H200): both passed ``hopper_check.py`` (44 of 44) and both were slower on the D64 row, ``POLY_EXP2`` 0.70 x on
-#: NHD (270.9 vs 384.9 TFLOP/s) and 0.84 x on split (294.2 vs 348.4), ``POLY_QUARTER`` 0.87 x and 0.95 x (335.3,
-#: 330.5): the cubic's instructions cost the consumers more issue slots than the special-function unit's queue
-#: did. Off.
+#: Run 15 (H200): computing every other (or every fourth) key's exponential by a cubic and an exponent-bit add on
+#: the FMA pipe instead of the special-function unit passed ``hopper_check.py`` (44 of 44) and was slower on the D64
+#: row, 0.70 x on NHD (270.9 vs 384.9 TFLOP/s) and 0.84 x on split for half, 0.87 x and 0.95 x for a quarter: the
+#: cubic's instructions cost the consumers more issue slots than the special-function unit's queue did. Removed.
+#: ``FUSED_SCALE`` takes issue slots away instead: without softcap and ALiBi, the consumers take each row's maximum
+#: on the raw scores and scale it once, and each key's scale and subtraction of the maximum are one fused
+#: multiply-add (the scale is positive, so the maximum is the same one). Built after run 15, not yet run.
 #: Run 7 (H200, docs/performance.md): ``PRODUCER_WIDENS`` passed hopper_check.py's 37 cases and was 1.12 x the
 #: consumers widening their own copies on the FP8 row (266.9 vs 238.6 TFLOP/s): on by default.
 #: ``WIDE_PRODUCER`` passed them too and was 0.97 x (355.1 vs 365.8 on the split prefix-cached row): off, but for
 #: the split layout at head size 256, where one producer warp spills its copy addresses (:func:`kernel_call`).
-#: ``SHARED_V`` gave wrong results and an illegal-address fault on the split cases, although its PTX differs
-#: from the passing two-ring kernel's only in where the rings and the Q tile sit: off (the split layout at head
+#: A schedule that kept the cached tiles' V^T and the new tokens' V in one ring (a stage holding one or the other)
+#: gave wrong results and an illegal-address fault on the split cases in run 7, although its PTX differed from
+#: the passing two-ring kernel's only in where the rings and the Q tile sat: removed (the split layout at head
 #: size 256 takes 32 keys per step beside its V^T ring instead).
 #: On the H200 (docs/performance.md, runs 3 and 4; ci/gpu/hopper_check.py, 4 bench workloads x 2 layouts):
 #: heavy-first was at least as fast as index order on every row; ping-pong was 1.00-1.21 x the lockstep loop
@@ -393,9 +383,9 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: P V ran; fixed since). Run 12: ``OVERLAP`` passed ``hopper_check.py`` (44 of 44) and ran every row it changes
 #: at 0.58-0.93 x the policy's schedule; on the split layout's 128-key tiles it spills (32 bytes; 320 with ``TURNS``).
 SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=False, VT_COPIES=False, WIDE_PRODUCER=False,
-                SHARED_V=False, PRODUCER_WIDENS=True, KEY_LOADS=False, VALUES_FIRST=False, WIDE_KEY_CHUNKS=False,
+                PRODUCER_WIDENS=True, KEY_LOADS=False, VALUES_FIRST=False, WIDE_KEY_CHUNKS=False,
                 EARLY_KEYS=False, F32_WIDENING=True, THREAD_ARRIVALS=False,
-                NEW_VALUES_T=False, FP8_BOXES=False, WIDEN_TO_V=False, POLY_EXP2=False, POLY_QUARTER=False)
+                NEW_VALUES_T=False, FP8_BOXES=False, WIDEN_TO_V=False, FUSED_SCALE=False)
 #: Registers per thread of the second consumer partition under ``PINGPONG`` (the first, the kernel's default
 #: partition, keeps what the others leave).
 CONSUMER_REGS = 240
@@ -456,7 +446,6 @@ def resolve_schedule(shape: ProblemShape, config: TileConfig, schedule: Optional
     # Only the split layout's copies are shared among the producer's warps (NHD is all TMA, one thread issues).
     # ... and at head size 256 they take a warpgroup: one producer warp spills its copy addresses there.
     schedule["WIDE_PRODUCER"] = (bool(schedule["WIDE_PRODUCER"]) or shape.head_size > 128) and split
-    schedule["SHARED_V"] = bool(schedule["SHARED_V"]) and split and not fp8  # an FP8 V^T ring: not built
     # ... and the split layout's FP8 tiles always: a consumer's own copies are not built for V^T pages.
     schedule["PRODUCER_WIDENS"] = (bool(schedule["PRODUCER_WIDENS"]) or split) and fp8
     # The producer warpgroup's loads take 32 keys at a time.
@@ -480,15 +469,13 @@ def resolve_schedule(shape: ProblemShape, config: TileConfig, schedule: Optional
     # its own FP8 copies hands each FP8 buffer back after a barrier its widening needs anyway).
     schedule["THREAD_ARRIVALS"] = bool(schedule["THREAD_ARRIVALS"]) and (schedule["PRODUCER_WIDENS"] or not fp8)
     # The new tokens' values transposed into the V^T ring: the split layout's 16-bit cache (an FP8 cache's
-    # V^T ring is widened from its own FP8 ring), not beside SHARED_V's one ring.
-    schedule["NEW_VALUES_T"] = bool(schedule["NEW_VALUES_T"]) and split and not fp8 and not schedule["SHARED_V"]
+    # V^T ring is widened from its own FP8 ring).
+    schedule["NEW_VALUES_T"] = bool(schedule["NEW_VALUES_T"]) and split and not fp8
     # The split layout's FP8 keys and values by TMA boxes: its FP8 cache (widened by the producer, always, there)
     # at head sizes that fill the tile (a padded head's columns past it would need zeros written).
     schedule["FP8_BOXES"] = bool(schedule["FP8_BOXES"]) and split and fp8 and shape.head_size not in PADDED_HEADS
     # The split layout's cached FP8 values widened into the V ring (its FP8 cache is widened by the producer).
     schedule["WIDEN_TO_V"] = bool(schedule["WIDEN_TO_V"]) and split and fp8
-    # A quarter of the exponentials by the polynomial instead of half: a refinement of POLY_EXP2.
-    schedule["POLY_QUARTER"] = bool(schedule["POLY_QUARTER"]) and bool(schedule["POLY_EXP2"])
     return schedule
 
 
