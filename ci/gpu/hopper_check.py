@@ -135,6 +135,9 @@ VARIANTS = [
      dict(HEAVY_FIRST=True, PINGPONG=True, NEW_VALUES_T=True)),
     # The scale applied in each key's exponent by a fused multiply-add, the row maximum taken on the raw scores.
     ("pingpong-fused-scale", {}, dict(HEAVY_FIRST=True, PINGPONG=True, FUSED_SCALE=True)),
+    # The rows' maxima and sums by trees instead of chains, alone and with the fused scale.
+    ("pingpong-tree-rows", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TREE_ROWS=True)),
+    ("pingpong-fused-scale-tree-rows", {}, dict(HEAVY_FIRST=True, PINGPONG=True, FUSED_SCALE=True, TREE_ROWS=True)),
     # Each consumer thread handing a buffer back by an arrival of its own, without a barrier among its warps first.
     ("pingpong-thread-arrivals", {}, dict(HEAVY_FIRST=True, PINGPONG=True, THREAD_ARRIVALS=True)),
     # The split layout's cached FP8 keys and values by unswizzled TMA boxes, one per page each (the policy's since

@@ -1039,46 +1039,85 @@ def test_fused_scale_applies_to_every_route_and_reaches_the_launch():
     assert kernel_call(problem, hopper_config(s), s, dict(FUSED_SCALE=True)).constexprs["FUSED_SCALE"]
 
 
-def test_fused_scale_takes_a_multiply_per_key_off_the_softmax():
-    """``FUSED_SCALE`` compiled for sm90 at head size 64 (NHD, the policy's 256-key tile): per key, the scale's
-    multiply and the maximum's subtraction become one fused multiply-add, so the multiplies and adds together
-    drop by at least one per key of each consumer's softmax (two consumers, 128 keys per thread each); the same
-    exponentials, no spills, no more registers. With softcap and ALiBi, which need the scaled scores, the code is
-    the same as without the flag."""
-    summaries = child_result("compile_fused_scale")
+def test_tree_rows_applies_to_every_route():
+    """``TREE_ROWS`` (off by default, not yet run) is a flag of every route, both layouts and cache formats."""
+    assert_off_by_default_and_on_every_route_when_asked("TREE_ROWS")
+
+
+def test_softmax_schedules_compile_for_sm90_with_fewer_instructions_or_shorter_chains():
+    """Compiled for sm90 at head size 64 (NHD, the policy's 256-key tile; two consumers, 128 keys of each
+    row pair per thread):
+
+    * ``FUSED_SCALE``: per key, the scale's multiply and the maximum's subtraction become one fused multiply-add,
+      so the multiplies and adds together drop by at least one per key and consumer thread; the same
+      exponentials, no spills, no more registers. With softcap and ALiBi, which need the scaled scores, the code
+      is the same as without the flag.
+    * ``TREE_ROWS``: the same ``FMNMX`` and ``FADD`` counts, no shared-memory traffic added, no spills, and the
+      longest chain of dependent ``FMNMX`` at most a quarter as long (Triton's row reduction chains every key a
+      thread holds)."""
+    summaries = child_result("compile_softmax_schedules")
     if summaries is None:
         pytest.skip("this Triton has no bundled nvdisasm to read the sm90 instructions with")
-    plain, fused, plain_features, fused_features = summaries
-    assert fused["spill_bytes"] in (0, None) and fused["registers"] <= plain["registers"], (plain, fused)
-    assert fused["exponentials"] == plain["exponentials"], (plain, fused)
+    plain, fused, tree = summaries["plain"], summaries["fused"], summaries["tree"]
+    for variant in (fused, tree):
+        assert variant["spill_bytes"] in (0, None) and variant["registers"] <= plain["registers"], (plain, variant)
+        assert variant["exponentials"] == plain["exponentials"], (plain, variant)
     per_key = plain["multiplies"] + plain["adds"] - fused["multiplies"] - fused["adds"]
     assert per_key >= 2 * 128 and fused["fused"] >= plain["fused"] + 2 * 128, (plain, fused)
-    assert fused_features == plain_features, (plain_features, fused_features)
+    assert summaries["fused-softcap-alibi"] == summaries["plain-softcap-alibi"]
+    assert (tree["maxima"], tree["adds"], tree["shared"]) == (plain["maxima"], plain["adds"], plain["shared"])
+    assert plain["max_chain"] >= 64 and 4 * tree["max_chain"] <= plain["max_chain"], (plain, tree)
 
 
-def compile_fused_scale() -> Optional[list]:
-    """Registers, spills and ``MUFU.EX2``, ``FMUL``, ``FADD`` and ``FFMA`` counts of the head-size-64 NHD call's
-    sm90 code without and with ``FUSED_SCALE``, then of the same call with softcap and ALiBi (None without a
-    bundled ``nvdisasm``)."""
+def longest_chain(code: str, opcode: str) -> int:
+    """The longest chain of ``opcode`` instructions in ``code`` (sm90 SASS) each of which reads a register the
+    previous one wrote, in program order (a loop body's chains, not across its back edge)."""
+    import re
+
+    depth = {}
+    longest = 0
+    for line in code.splitlines():
+        found = re.search(r"\*/\s+(?:@!?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s+([^;]*);", line)
+        if not found:
+            continue
+        registers = re.findall(r"\bR\d+\b", found.group(2))
+        if not registers:
+            continue
+        written, read = registers[0], registers[1:]
+        if found.group(1).split(".")[0] == opcode:
+            depth[written] = 1 + max((depth.get(r, 0) for r in read), default=0)
+            longest = max(longest, depth[written])
+        else:
+            depth.pop(written, None)
+    return longest
+
+
+def compile_softmax_schedules() -> Optional[dict]:
+    """Registers, spills, instruction counts and the longest ``FMNMX`` chain of the head-size-64 NHD call's sm90
+    code without softmax flags, with ``FUSED_SCALE`` and with ``TREE_ROWS``, and of the same call with softcap
+    and ALiBi without and with ``FUSED_SCALE`` (None without a bundled ``nvdisasm``)."""
     import re
 
     from pagedprefill.triton.codegen import compile_call, sass, summarize
     from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
 
-    out = []
-    for features in ({}, dict(softcap=10.0, alibi=True)):
+    out = {}
+    for label, features, flags in (("plain", {}, {}), ("fused", {}, dict(FUSED_SCALE=True)),
+                                   ("tree", {}, dict(TREE_ROWS=True)),
+                                   ("plain-softcap-alibi", dict(softcap=10.0, alibi=True), {}),
+                                   ("fused-softcap-alibi", dict(softcap=10.0, alibi=True), dict(FUSED_SCALE=True))):
         problem = make_problem(SPEC.replace(head_size=64, query_lens=(400, 300), context_lens=(500, 0), **features))
         s = problem_shape(problem)
-        for flags in ({}, dict(FUSED_SCALE=True)):
-            compiled = compile_call(hopper_prefill_kernel, kernel_call(problem, hopper_config(s), s, flags), 90)
-            code = sass(compiled)
-            if code is None:
-                return None
-            summary = summarize(compiled, 90).to_dict()
-            out.append(dict(registers=summary["registers"], spill_bytes=summary["spill_bytes"],
-                            exponentials=len(re.findall(r"MUFU\.EX2", code)),
-                            multiplies=len(re.findall(r"\bFMUL\b", code)), adds=len(re.findall(r"\bFADD\b", code)),
-                            fused=len(re.findall(r"\bFFMA\b", code))))
+        compiled = compile_call(hopper_prefill_kernel, kernel_call(problem, hopper_config(s), s, flags), 90)
+        code = sass(compiled)
+        if code is None:
+            return None
+        summary = summarize(compiled, 90).to_dict()
+        patterns = dict(exponentials=r"MUFU\.EX2", multiplies=r"\bFMUL\b", adds=r"\bFADD\b", fused=r"\bFFMA\b",
+                        maxima=r"\bFMNMX\b", shared=r"\b(?:STS|LDS)\b")
+        out[label] = dict(registers=summary["registers"], spill_bytes=summary["spill_bytes"],
+                          max_chain=longest_chain(code, "FMNMX"),
+                          **{name: len(re.findall(pattern, code)) for name, pattern in patterns.items()})
     return out
 
 

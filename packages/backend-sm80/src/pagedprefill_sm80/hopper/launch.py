@@ -366,7 +366,10 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: cubic's instructions cost the consumers more issue slots than the special-function unit's queue did. Removed.
 #: ``FUSED_SCALE`` takes issue slots away instead: without softcap and ALiBi, the consumers take each row's maximum
 #: on the raw scores and scale it once, and each key's scale and subtraction of the maximum are one fused
-#: multiply-add (the scale is positive, so the maximum is the same one). Built after run 15, not yet run.
+#: multiply-add (the scale is positive, so the maximum is the same one). ``TREE_ROWS`` reduces each row's maximum
+#: and sum by a tree over its groups of 8 keys instead of Triton's chain through every key a thread holds (64
+#: dependent ``FMNMX`` and 64 dependent ``FADD`` per row at 256 keys, on the softmax's critical path); as many
+#: instructions, no data moved. Both built after run 15, not yet run.
 #: Run 7 (H200, docs/performance.md): ``PRODUCER_WIDENS`` passed hopper_check.py's 37 cases and was 1.12 x the
 #: consumers widening their own copies on the FP8 row (266.9 vs 238.6 TFLOP/s): on by default.
 #: ``WIDE_PRODUCER`` passed them too and was 0.97 x (355.1 vs 365.8 on the split prefix-cached row): off, but for
@@ -385,7 +388,8 @@ def _plain_tensors(p: PrefillProblem) -> list:
 SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=False, VT_COPIES=False, WIDE_PRODUCER=False,
                 PRODUCER_WIDENS=True, KEY_LOADS=False, VALUES_FIRST=False, WIDE_KEY_CHUNKS=False,
                 EARLY_KEYS=False, F32_WIDENING=True, THREAD_ARRIVALS=False,
-                NEW_VALUES_T=False, FP8_BOXES=False, WIDEN_TO_V=False, FUSED_SCALE=False)
+                NEW_VALUES_T=False, FP8_BOXES=False, WIDEN_TO_V=False, FUSED_SCALE=False,
+                TREE_ROWS=False)
 #: Registers per thread of the second consumer partition under ``PINGPONG`` (the first, the kernel's default
 #: partition, keeps what the others leave).
 CONSUMER_REGS = 240
