@@ -144,9 +144,9 @@ VARIANTS = [
     # run 14), and by 16-byte copies, as before.
     ("pingpong-fp8-boxes", {}, dict(HEAVY_FIRST=True, PINGPONG=True, FP8_BOXES=True)),
     ("pingpong-fp8-copies", {}, dict(HEAVY_FIRST=True, PINGPONG=True, FP8_BOXES=False)),
-    # The split layout's cached FP8 values widened into the V ring (no V^T ring), on the policy's tile and on the
-    # 128 keys in 2 stages this makes room for
-    # (the policy's since run 15, on 128 keys in 2 stages), and beside a V^T ring on the 64 keys it took before.
+    # The split layout's cached FP8 values widened into the V ring (no V^T ring): on the policy's tile, on the 128
+    # keys in 2 stages this makes room for (the policy's for long calls since run 15), and run 14's 64 keys beside
+    # a V^T ring.
     ("pingpong-widen-to-v", {}, dict(HEAVY_FIRST=True, PINGPONG=True, WIDEN_TO_V=True)),
     ("pingpong-widen-to-v-n128", dict(block_n=128, num_stages=2), dict(HEAVY_FIRST=True, PINGPONG=True,
                                                                        WIDEN_TO_V=True)),

@@ -498,7 +498,7 @@ def test_the_policy_reads_split_16_bit_caches_with_key_loads(monkeypatch):
             flags_named = "KEY_LOADS+VALUES_FIRST" + "+WIDE_KEY_CHUNKS+EARLY_KEYS" * (head_size <= 128)
             assert why.endswith(f"; schedule {flags_named}") == taken, why
             # (an FP8 cache's page boxes: test_fp8_boxes_apply_to_the_split_layouts_fp8_cache_at_full_head_sizes;
-            # on these short calls' 64-key tiles, not WIDEN_TO_V: test_the_policy_widens_split_fp8_values_into_...)
+            # short calls' 64-key tiles keep the V^T ring: test_the_policy_widens_split_fp8_values_into_the_v_ring)
             boxes = layout == "split" and cache != "auto" and head_size != 96
             if cache != "auto":
                 assert hopper_schedule(s) == ({"FP8_BOXES": True} if boxes else {}), (layout, head_size)
