@@ -1030,94 +1030,64 @@ def assert_off_by_default_and_on_every_route_when_asked(name: str) -> None:
             assert not resolve_schedule(s, hopper_config(s))[name], (name, layout, cache)
 
 
-def test_fused_scale_applies_to_every_route_and_reaches_the_launch():
-    """``FUSED_SCALE`` (off by default, not yet run) is a flag of every route, both layouts and cache formats
-    (the kernel leaves it aside for calls with softcap or ALiBi), and the launch's constexprs carry it."""
-    assert_off_by_default_and_on_every_route_when_asked("FUSED_SCALE")
+def test_fused_scale_is_on_for_every_route_and_reaches_the_launch():
+    """``FUSED_SCALE`` is on in the kernel's defaults and so on every route, both layouts and cache formats (the
+    kernel leaves it aside for calls with softcap or ALiBi); a caller can turn it off, and the launch's constexprs
+    carry it."""
+    from pagedprefill_sm80.hopper.launch import SCHEDULE, resolve_schedule
+
+    assert SCHEDULE["FUSED_SCALE"]
+    for layout in ("nhd", "split"):
+        for cache in ("auto", "fp8_e4m3"):
+            s = shape(layout=layout, kv_cache_dtype=cache)
+            assert resolve_schedule(s, hopper_config(s))["FUSED_SCALE"], (layout, cache)
+            assert not resolve_schedule(s, hopper_config(s), dict(FUSED_SCALE=False))["FUSED_SCALE"], (layout, cache)
     problem = make_problem(SPEC)
     s = problem_shape(problem)
-    assert kernel_call(problem, hopper_config(s), s, dict(FUSED_SCALE=True)).constexprs["FUSED_SCALE"]
+    assert kernel_call(problem, hopper_config(s), s).constexprs["FUSED_SCALE"]
+    assert not kernel_call(problem, hopper_config(s), s, dict(FUSED_SCALE=False)).constexprs["FUSED_SCALE"]
 
 
-def test_tree_rows_applies_to_every_route():
-    """``TREE_ROWS`` (off by default, not yet run) is a flag of every route, both layouts and cache formats."""
-    assert_off_by_default_and_on_every_route_when_asked("TREE_ROWS")
-
-
-def test_softmax_schedules_compile_for_sm90_with_fewer_instructions_or_shorter_chains():
-    """Compiled for sm90 at head size 64 (NHD, the policy's 256-key tile; two consumers, 128 keys of each
-    row pair per thread):
-
-    * ``FUSED_SCALE``: per key, the scale's multiply and the maximum's subtraction become one fused multiply-add,
-      so the multiplies and adds together drop by at least one per key and consumer thread; the same
-      exponentials, no spills, no more registers. With softcap and ALiBi, which need the scaled scores, the code
-      is the same as without the flag.
-    * ``TREE_ROWS``: the same ``FMNMX`` and ``FADD`` counts, no shared-memory traffic added, no spills, and the
-      longest chain of dependent ``FMNMX`` at most a quarter as long (Triton's row reduction chains every key a
-      thread holds)."""
-    summaries = child_result("compile_softmax_schedules")
+def test_fused_scale_takes_a_multiply_per_key_off_the_softmax():
+    """``FUSED_SCALE`` compiled for sm90 at head size 64 (NHD, the policy's 256-key tile; two consumers, 128 keys
+    of each row pair per thread): per key, the scale's multiply and the maximum's subtraction become one fused
+    multiply-add, so the multiplies and adds together drop by at least one per key and consumer thread; the same
+    exponentials, no spills, no more registers. With softcap and ALiBi, which need the scaled scores, the code is
+    the same as without the flag."""
+    summaries = child_result("compile_fused_scale")
     if summaries is None:
         pytest.skip("this Triton has no bundled nvdisasm to read the sm90 instructions with")
-    plain, fused, tree = summaries["plain"], summaries["fused"], summaries["tree"]
-    for variant in (fused, tree):
-        assert variant["spill_bytes"] in (0, None) and variant["registers"] <= plain["registers"], (plain, variant)
-        assert variant["exponentials"] == plain["exponentials"], (plain, variant)
+    plain, fused = summaries["plain"], summaries["fused"]
+    assert fused["spill_bytes"] in (0, None) and fused["registers"] <= plain["registers"], (plain, fused)
+    assert fused["exponentials"] == plain["exponentials"], (plain, fused)
     per_key = plain["multiplies"] + plain["adds"] - fused["multiplies"] - fused["adds"]
     assert per_key >= 2 * 128 and fused["fused"] >= plain["fused"] + 2 * 128, (plain, fused)
     assert summaries["fused-softcap-alibi"] == summaries["plain-softcap-alibi"]
-    assert (tree["maxima"], tree["adds"], tree["shared"]) == (plain["maxima"], plain["adds"], plain["shared"])
-    assert plain["max_chain"] >= 64 and 4 * tree["max_chain"] <= plain["max_chain"], (plain, tree)
 
 
-def longest_chain(code: str, opcode: str) -> int:
-    """The longest chain of ``opcode`` instructions in ``code`` (sm90 SASS) each of which reads a register the
-    previous one wrote, in program order (a loop body's chains, not across its back edge)."""
-    import re
-
-    depth = {}
-    longest = 0
-    for line in code.splitlines():
-        found = re.search(r"\*/\s+(?:@!?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s+([^;]*);", line)
-        if not found:
-            continue
-        registers = re.findall(r"\bR\d+\b", found.group(2))
-        if not registers:
-            continue
-        written, read = registers[0], registers[1:]
-        if found.group(1).split(".")[0] == opcode:
-            depth[written] = 1 + max((depth.get(r, 0) for r in read), default=0)
-            longest = max(longest, depth[written])
-        else:
-            depth.pop(written, None)
-    return longest
-
-
-def compile_softmax_schedules() -> Optional[dict]:
-    """Registers, spills, instruction counts and the longest ``FMNMX`` chain of the head-size-64 NHD call's sm90
-    code without softmax flags, with ``FUSED_SCALE`` and with ``TREE_ROWS``, and of the same call with softcap
-    and ALiBi without and with ``FUSED_SCALE`` (None without a bundled ``nvdisasm``)."""
+def compile_fused_scale() -> Optional[dict]:
+    """Registers, spills and ``MUFU.EX2``, ``FMUL``, ``FADD`` and ``FFMA`` counts of the head-size-64 NHD call's
+    sm90 code without and with ``FUSED_SCALE``, and of the same call with softcap and ALiBi without and with it
+    (None without a bundled ``nvdisasm``)."""
     import re
 
     from pagedprefill.triton.codegen import compile_call, sass, summarize
     from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
 
     out = {}
-    for label, features, flags in (("plain", {}, {}), ("fused", {}, dict(FUSED_SCALE=True)),
-                                   ("tree", {}, dict(TREE_ROWS=True)),
-                                   ("plain-softcap-alibi", dict(softcap=10.0, alibi=True), {}),
-                                   ("fused-softcap-alibi", dict(softcap=10.0, alibi=True), dict(FUSED_SCALE=True))):
+    for label, features in (("", {}), ("-softcap-alibi", dict(softcap=10.0, alibi=True))):
         problem = make_problem(SPEC.replace(head_size=64, query_lens=(400, 300), context_lens=(500, 0), **features))
         s = problem_shape(problem)
-        compiled = compile_call(hopper_prefill_kernel, kernel_call(problem, hopper_config(s), s, flags), 90)
-        code = sass(compiled)
-        if code is None:
-            return None
-        summary = summarize(compiled, 90).to_dict()
-        patterns = dict(exponentials=r"MUFU\.EX2", multiplies=r"\bFMUL\b", adds=r"\bFADD\b", fused=r"\bFFMA\b",
-                        maxima=r"\bFMNMX\b", shared=r"\b(?:STS|LDS)\b")
-        out[label] = dict(registers=summary["registers"], spill_bytes=summary["spill_bytes"],
-                          max_chain=longest_chain(code, "FMNMX"),
-                          **{name: len(re.findall(pattern, code)) for name, pattern in patterns.items()})
+        for name, fused in (("plain", False), ("fused", True)):
+            compiled = compile_call(hopper_prefill_kernel,
+                                    kernel_call(problem, hopper_config(s), s, dict(FUSED_SCALE=fused)), 90)
+            code = sass(compiled)
+            if code is None:
+                return None
+            summary = summarize(compiled, 90).to_dict()
+            patterns = dict(exponentials=r"MUFU\.EX2", multiplies=r"\bFMUL\b", adds=r"\bFADD\b", fused=r"\bFFMA\b")
+            out[name + label] = dict(registers=summary["registers"], spill_bytes=summary["spill_bytes"],
+                                     **{key: len(re.findall(pattern, code)) for key, pattern in patterns.items()})
     return out
 
 

@@ -594,39 +594,16 @@ def _widen(src, dst, COLS: gl.constexpr, NUM_WARPS: gl.constexpr, VIA_F32: gl.co
 
 
 @gluon.jit
-def _fold_rows(x, USE_MAX: gl.constexpr):
-    """Each row of ``x`` (a consumer's scores or P, in the warpgroup MMA's layout) reduced to its maximum
-    (``USE_MAX``) or its sum by a tree: the row's groups of 8 keys are folded in halves, then the last group is
-    reduced. As many instructions as a row reduction, which Triton lowers as one chain through every key a
-    thread holds (64 at 256 keys); the tree is log2 of the groups deep. A thread holds two keys of every group,
-    so each fold pairs two registers of one thread and no data moves."""
-    ROWS: gl.constexpr = x.shape[0]
-    GROUPS: gl.constexpr = x.shape[1] // 8
-    y = x.reshape([ROWS, GROUPS, 8])
-    for level in gl.static_range(8):  # up to 2**8 groups of 8 keys
-        if (GROUPS >> (level + 1)) >= 1:
-            low, high = y.reshape([ROWS, GROUPS >> (level + 1), 2, 8]).permute((0, 1, 3, 2)).split()
-            if USE_MAX:
-                y = gl.maximum(low, high)
-            else:
-                y = low + high
-    if USE_MAX:
-        return gl.max(y.reshape([ROWS, 8]), 1)
-    return gl.sum(y.reshape([ROWS, 8]), 1)
-
-
-@gluon.jit
 def _softmax_tile(scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap, qk_scale,
                   cache_start, cache_tiles, new_start, pos_first, full_from, p_layout: gl.constexpr,
                   p_dtype: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, NEW_KV_IN_CACHE: gl.constexpr,
-                  FUSED_SCALE: gl.constexpr, TREE_ROWS: gl.constexpr):
+                  FUSED_SCALE: gl.constexpr):
     """One online-softmax step on the raw scores of key tile ``it``: log2-domain logits (scale, softcap,
     ALiBi), masks only where the tile needs them, the running max and sum, and P as the next MMA's operand.
     ``FUSED_SCALE`` (without softcap and ALiBi, which need the scaled scores): the row maximum is taken on the
     raw scores and scaled once per row (``qk_scale`` is positive, so it is the same maximum), and each key's
     scale and subtraction of the maximum are one fused multiply-add, where they were a multiply and an add.
-    ``TREE_ROWS``: the rows' maxima and sums by :func:`_fold_rows`, trees instead of chains.
 
     Returns ``(P, alpha, m, l)``; the caller rescales its accumulator by ``alpha``. Rows that have seen no key
     yet keep ``m = -inf`` and contribute nothing (no NaN).
@@ -655,10 +632,7 @@ def _softmax_tile(scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, k
         scores += gl.expand_dims(alibi2, 1) * (gl.expand_dims(k_pos, 0) - gl.expand_dims(q_pos, 1)).to(gl.float32)
     if needs_mask:
         scores = gl.where(visible(q_pos, k_pos, k_pos < key_end, window, CAUSAL, WINDOW), scores, float("-inf"))
-    if TREE_ROWS:
-        row_max = gl.convert_layout(_fold_rows(scores, True), m_i.type.layout)
-    else:
-        row_max = gl.max(scores, 1)
+    row_max = gl.max(scores, 1)
     if SCALE_IN_EXP:
         row_max = row_max * qk_scale
     m_new = gl.maximum(m_i, row_max)
@@ -668,10 +642,7 @@ def _softmax_tile(scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, k
         p = gl.exp2(scores * qk_scale - gl.expand_dims(m_use, 1))  # a masked key: -inf * scale - m = -inf
     else:
         p = gl.exp2(scores - gl.expand_dims(m_use, 1))
-    if TREE_ROWS:
-        l_i = l_i * alpha + gl.convert_layout(_fold_rows(p, False), l_i.type.layout)
-    else:
-        l_i = l_i * alpha + gl.sum(p, 1)
+    l_i = l_i * alpha + gl.sum(p, 1)
     return gl.convert_layout(p.to(p_dtype), p_layout), alpha, m_new, l_i
 
 
@@ -700,7 +671,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
               SPLIT: gl.constexpr, TURNS: gl.constexpr, OVERLAP: gl.constexpr, FP8_CACHE: gl.constexpr,
               K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, HEAD_DIM: gl.constexpr,
               PRODUCER_WIDENS: gl.constexpr, THREAD_ARRIVALS: gl.constexpr, NEW_VALUES_T: gl.constexpr,
-              WIDEN_TO_V: gl.constexpr, FUSED_SCALE: gl.constexpr, TREE_ROWS: gl.constexpr):
+              WIDEN_TO_V: gl.constexpr, FUSED_SCALE: gl.constexpr):
     """Consume the ring for rows ``ROW0 .. ROW0 + BLOCK_M`` of the tile (``q_smem`` holds those rows):
     scores, online softmax and ``P V`` per key tile; then normalise and store.
 
@@ -775,7 +746,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
             p_op, alpha, m_i, l_i = _softmax_tile(
                 scores, m_i, l_i, 0, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap, qk_scale,
                 cache_start, cache_tiles, new_start, pos_first, full_from, p_layout, q_smem.dtype, BLOCK_N, CAUSAL,
-                WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE, FUSED_SCALE, TREE_ROWS)
+                WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE, FUSED_SCALE)
         for it in range(total):
             s = it % STAGES
             has_next = it + 1 < total
@@ -809,7 +780,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
                 p_op, alpha, m_i, l_i = _softmax_tile(
                     scores, m_i, l_i, it + 1, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap,
                     qk_scale, cache_start, cache_tiles, new_start, pos_first, full_from, p_layout, q_smem.dtype,
-                    BLOCK_N, CAUSAL, WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE, FUSED_SCALE, TREE_ROWS)
+                    BLOCK_N, CAUSAL, WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE, FUSED_SCALE)
             if not CACHED_VT:
                 acc, p_in_flight = warpgroup_mma_wait(0, deps=[acc_token, p_in_flight])
             _hand_back(empty.index(s), THREAD_ARRIVALS)
@@ -845,7 +816,7 @@ def _consumer(q_smem, ring, output, rows, walk, features, turns, widened, kv_sca
             p_op, alpha, m_i, l_i = _softmax_tile(
                 scores, m_i, l_i, it, q_pos, alibi2, offs_n, ctx_len, q_len, kv_len, window, softcap, tile_scale,
                 cache_start, cache_tiles, new_start, pos_first, full_from, p_layout, q_smem.dtype, BLOCK_N, CAUSAL,
-                WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE, FUSED_SCALE, TREE_ROWS)
+                WINDOW, SOFTCAP, ALIBI, NEW_KV_IN_CACHE, FUSED_SCALE)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             if WIDENS and from_cache:
                 acc = warpgroup_mma(p_op, vc_smem, acc)
@@ -903,7 +874,7 @@ def hopper_prefill_kernel(
     VT_COPIES: gl.constexpr, WIDE_PRODUCER: gl.constexpr, PRODUCER_WIDENS: gl.constexpr,
     KEY_LOADS: gl.constexpr, VALUES_FIRST: gl.constexpr, EARLY_KEYS: gl.constexpr, F32_WIDENING: gl.constexpr,
     THREAD_ARRIVALS: gl.constexpr, NEW_VALUES_T: gl.constexpr, FP8_BOXES: gl.constexpr, WIDEN_TO_V: gl.constexpr,
-    FUSED_SCALE: gl.constexpr, TREE_ROWS: gl.constexpr,
+    FUSED_SCALE: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Prefix-prefill attention of one query tile on sm90 (see the module docstring).
@@ -1082,13 +1053,13 @@ def hopper_prefill_kernel(
                          HEAD_SIZE, 0, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
                          TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS,
-                         THREAD_ARRIVALS, NEW_VALUES_T, WIDEN_TO_V, FUSED_SCALE, TREE_ROWS)),
+                         THREAD_ARRIVALS, NEW_VALUES_T, WIDEN_TO_V, FUSED_SCALE)),
             (_consumer, (q_smem.slice(ROWS, ROWS), ring, output, rows, walk, features, (turn.index(1), turn.index(0)),
                          (kc_smem.index(CONSUMERS - 1), vc_smem.index(CONSUMERS - 1)), kv_scales,
                          HEAD_SIZE, ROWS, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
                          TURNS, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS,
-                         THREAD_ARRIVALS, NEW_VALUES_T, WIDEN_TO_V, FUSED_SCALE, TREE_ROWS)),
+                         THREAD_ARRIVALS, NEW_VALUES_T, WIDEN_TO_V, FUSED_SCALE)),
             (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk, new_values,
                          num_tokens, HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
                          PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES, EARLY_KEYS, F32_WIDENING, NEW_VALUES_T,
@@ -1101,7 +1072,7 @@ def hopper_prefill_kernel(
                          HEAD_SIZE, 0, ROWS, BLOCK_N, HEADS_PER_TILE, TOKENS_PER_TILE, STAGES, LAUNCH_WARPS, CAUSAL,
                          WINDOW, SOFTCAP, ALIBI, SINKS, NEW_KV_IN_CACHE, OUT_SCALE, OUT_SCALE_PTR, OUT_MAX, SPLIT,
                          False, OVERLAP, FP8_CACHE, K_SCALE_PTR, V_SCALE_PTR, HEAD_DIM, PRODUCER_WIDENS,
-                         THREAD_ARRIVALS, NEW_VALUES_T, WIDEN_TO_V, FUSED_SCALE, TREE_ROWS)),
+                         THREAD_ARRIVALS, NEW_VALUES_T, WIDEN_TO_V, FUSED_SCALE)),
             (_producer, (loads, ring, ready8, table, kv_head, seq_row0, v_rows_per_block, walk, new_values,
                          num_tokens, HEAD_SIZE, PAGE, BLOCK_N, STAGES, SPLIT, X, HEAD_DIM, VT_COPIES, PRODUCER_WARPS,
                          PRODUCER_WIDENS, KEY_LOADS, EARLY_VALUES, EARLY_KEYS, F32_WIDENING, NEW_VALUES_T,

@@ -366,10 +366,13 @@ def _plain_tensors(p: PrefillProblem) -> list:
 #: cubic's instructions cost the consumers more issue slots than the special-function unit's queue did. Removed.
 #: ``FUSED_SCALE`` takes issue slots away instead: without softcap and ALiBi, the consumers take each row's maximum
 #: on the raw scores and scale it once, and each key's scale and subtraction of the maximum are one fused
-#: multiply-add (the scale is positive, so the maximum is the same one). ``TREE_ROWS`` reduces each row's maximum
-#: and sum by a tree over its groups of 8 keys instead of Triton's chain through every key a thread holds (64
-#: dependent ``FMNMX`` and 64 dependent ``FADD`` per row at 256 keys, on the softmax's critical path); as many
-#: instructions, no data moved. Both built after run 15, not yet run.
+#: multiply-add (the scale is positive, so the maximum is the same one; at head size 64, 252 fewer multiplies and
+#: 256 adds turned into fused multiply-adds per consumer thread). Run 16 (H200): it passed ``hopper_check.py`` (44
+#: of 44) and was 1.01-1.15 x on every row timed (head size 64 NHD 436.7 vs 378.5 TFLOP/s, split 358.1 vs 342.9;
+#: long prefill split 537.3 vs 504.0): on. Reducing each row's maximum and sum by a tree over its groups of 8 keys
+#: instead of Triton's chain through every key a thread holds (the longest dependent ``FMNMX`` chain 66 to 9 at
+#: head size 64, as many instructions) passed too but ran at 0.97-1.01 x alone and below ``FUSED_SCALE`` alone
+#: with it: removed.
 #: Run 7 (H200, docs/performance.md): ``PRODUCER_WIDENS`` passed hopper_check.py's 37 cases and was 1.12 x the
 #: consumers widening their own copies on the FP8 row (266.9 vs 238.6 TFLOP/s): on by default.
 #: ``WIDE_PRODUCER`` passed them too and was 0.97 x (355.1 vs 365.8 on the split prefix-cached row): off, but for
@@ -388,8 +391,7 @@ def _plain_tensors(p: PrefillProblem) -> list:
 SCHEDULE = dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=False, VT_COPIES=False, WIDE_PRODUCER=False,
                 PRODUCER_WIDENS=True, KEY_LOADS=False, VALUES_FIRST=False, WIDE_KEY_CHUNKS=False,
                 EARLY_KEYS=False, F32_WIDENING=True, THREAD_ARRIVALS=False,
-                NEW_VALUES_T=False, FP8_BOXES=False, WIDEN_TO_V=False, FUSED_SCALE=False,
-                TREE_ROWS=False)
+                NEW_VALUES_T=False, FP8_BOXES=False, WIDEN_TO_V=False, FUSED_SCALE=True)
 #: Registers per thread of the second consumer partition under ``PINGPONG`` (the first, the kernel's default
 #: partition, keeps what the others leave).
 CONSUMER_REGS = 240
