@@ -1,6 +1,7 @@
 """Launch plans: a repeated call signature skips validation, selection and policy, and only launches."""
 
 import dataclasses
+import os
 
 import pagedprefill as pp
 import pytest
@@ -105,3 +106,36 @@ def test_the_reference_reads_values_every_call():
     bad = dataclasses.replace(p, batch=dataclasses.replace(p.batch, block_table=table))
     with pytest.raises(ValueError, match="block_table"):
         api.dispatch(bad, backend="reference")
+
+
+def test_a_signature_follows_the_backend_and_table_variables_as_they_change(counting, monkeypatch, tmp_path):
+    """The two variables every signature reads are read afresh on each call: setting, changing or unsetting
+    either gives another signature, and restoring it gives the first one back."""
+    backend, _ = counting
+    p = make_problem(SPEC)
+    monkeypatch.delenv("PAGEDPREFILL_BACKEND", raising=False)
+    monkeypatch.delenv("PAGEDPREFILL_TUNE_DIR", raising=False)
+    first = plans.call_signature(p, backend, None)
+    seen = {first}
+    for name, value in (("PAGEDPREFILL_BACKEND", "reference"), ("PAGEDPREFILL_BACKEND", "generic"),
+                        ("PAGEDPREFILL_TUNE_DIR", str(tmp_path))):
+        monkeypatch.setenv(name, value)
+        signature = plans.call_signature(p, backend, None)
+        assert signature not in seen, (name, value)
+        seen.add(signature)
+    monkeypatch.delenv("PAGEDPREFILL_BACKEND")
+    monkeypatch.delenv("PAGEDPREFILL_TUNE_DIR")
+    assert plans.call_signature(p, backend, None) == first
+
+
+@pytest.mark.parametrize("value", ["generic", "", "généric, reference"])
+def test_a_variable_reader_gives_what_os_environ_gives(monkeypatch, value):
+    from pagedprefill.environment import variable
+
+    read = variable("PAGEDPREFILL_TEST_VARIABLE")
+    monkeypatch.delenv("PAGEDPREFILL_TEST_VARIABLE", raising=False)
+    assert read() is None
+    monkeypatch.setenv("PAGEDPREFILL_TEST_VARIABLE", value)
+    assert read() == value == os.environ.get("PAGEDPREFILL_TEST_VARIABLE")
+    monkeypatch.setattr(os, "environ", {"PAGEDPREFILL_TEST_VARIABLE": "a stand-in"})
+    assert read() == "a stand-in"

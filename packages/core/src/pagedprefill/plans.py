@@ -16,12 +16,12 @@ takes the full path.
 from __future__ import annotations
 
 import operator
-import os
 import threading
 from typing import Callable, Optional
 
 import torch
 
+from .environment import variable
 from .options import Option, held_by, tensor_form
 from .tuning import tables_state
 from .types import PrefillProblem
@@ -53,6 +53,9 @@ def _values_of(holder: str, tensors: bool) -> Callable[[object], tuple]:
 _PLAIN = {holder: _values_of(holder, False) for holder in ("cache", "batch", "options")}
 _TENSORS = {holder: _values_of(holder, True) for holder in ("cache", "batch", "options")}
 
+#: ``PAGEDPREFILL_BACKEND``, which the registry's choice reads.
+_backend_env = variable("PAGEDPREFILL_BACKEND")
+
 _plans: dict = {}
 _lock = threading.Lock()
 
@@ -73,7 +76,7 @@ def call_signature(problem: PrefillProblem, backend: object, names: object) -> t
         *_PLAIN["cache"](c), *_PLAIN["batch"](b), *_PLAIN["options"](p.options),
         *map(_tensor, _TENSORS["cache"](c) + _TENSORS["batch"](b) + _TENSORS["options"](p.options)),
         backend,  # a Backend object is held by the key, so its identity stays unique
-        os.environ.get("PAGEDPREFILL_BACKEND"), id(names), tables_state(),
+        _backend_env(), id(names), tables_state(),
     )
 
 

@@ -26,9 +26,11 @@ from pathlib import Path
 from typing import Optional
 
 from .device import DeviceInfo
+from .environment import variable
 from .tiling import ProblemShape, TileConfig
 
 ENV_TABLE_DIR = "PAGEDPREFILL_TUNE_DIR"
+_table_dir_env = variable(ENV_TABLE_DIR)  # read by every call's plan signature
 
 _DTYPE_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float32": "fp32"}
 
@@ -80,7 +82,7 @@ def forget_tables() -> None:
 def tables_state() -> tuple:
     """Changes whenever a policy reading tables could decide differently: a table was written or forgotten,
     or ``PAGEDPREFILL_TUNE_DIR`` names another directory. Part of the key under which tiles are remembered."""
-    return _generation, os.environ.get(ENV_TABLE_DIR)
+    return _generation, _table_dir_env()
 
 
 def lookup(key: str, *tables: dict[str, TileConfig]) -> Optional[TileConfig]:
