@@ -15,10 +15,11 @@ import torch
 from pagedprefill.api import select_backend
 from pagedprefill.backends.triton_base import problem_shape
 from pagedprefill.device import DeviceInfo
-from pagedprefill.plans import call_signature, forget
+from pagedprefill.plans import call_signature, forget, remember
 from pagedprefill.testing import BatchSpec, make_problem
 from pagedprefill.triton.kernel import prefix_prefill_kernel
 from pagedprefill.triton.launch import bind_launch, call_tensors, kernel_call, launch_prefill
+from pagedprefill.validation import DROP_IN_NAMES
 
 
 def per_call_us(fns: dict, calls: int = 2000, rounds: int = 7) -> dict:
@@ -38,6 +39,49 @@ def per_call_us(fns: dict, calls: int = 2000, rounds: int = 7) -> dict:
             torch.cuda.synchronize()
             samples[name].append((time.perf_counter() - t0) / per_round * 1e6)
     return {name: (statistics.median(v), min(v), max(v)) for name, v in samples.items()}
+
+
+def hopper_rows(p, backend, info, drop_in) -> dict:
+    """sm80's Hopper kernel (sm90): its launch plan with the TMA descriptors encoded once per address, against
+    the same plan with Triton's launcher encoding them on every launch, on the same tensors and with the new
+    tokens' keys and values moving every call (as a serving engine's activations may), and the drop-in."""
+    import dataclasses
+
+    from pagedprefill_sm80.hopper.encoded import EncodedLauncher
+    from pagedprefill_sm80.hopper.launch import bind_hopper
+    from pagedprefill_sm80.policy import KERNEL_ENV
+
+    os.environ[KERNEL_ENV] = "hopper"
+    forget()
+    shape = problem_shape(p)
+    config = backend.tile_config(shape, info)
+    encoded = bind_hopper(p, config, shape)
+    encoded_of = EncodedLauncher.of
+    EncodedLauncher.of = classmethod(lambda cls, compiled, positions: None)
+    try:
+        triton_encoding = bind_hopper(p, config, shape)
+    finally:
+        EncodedLauncher.of = encoded_of
+    moved = dataclasses.replace(p, k=p.k.clone(), v=p.v.clone())
+
+    def alternating(plan):
+        turn = [p, moved]
+
+        def call():
+            turn.reverse()
+            plan(turn[0])
+        return call
+
+    rows = per_call_us({
+        "Hopper plan": lambda: encoded(p),
+        "Hopper plan, Triton's encoding": lambda: triton_encoding(p),
+        "Hopper plan, k/v moving": alternating(encoded),
+        "Hopper plan, k/v moving, Triton's": alternating(triton_encoding),
+        "context_attention_fwd, Hopper": drop_in,
+    })
+    del os.environ[KERNEL_ENV]
+    forget()
+    return rows
 
 
 def main():
@@ -70,14 +114,15 @@ def main():
         "signature+lookup+BoundLaunch": planned,
     }
     rows = per_call_us(fns)
-    if info.capability[0] == 9:  # sm80's Hopper kernel, which also rebuilds TMA descriptors whose tensor moved
-        os.environ["PAGEDPREFILL_SM80_KERNEL"] = "hopper"
-        forget()
-        rows.update(per_call_us({"context_attention_fwd, Hopper": drop_in}))
-        del os.environ["PAGEDPREFILL_SM80_KERNEL"]
-        forget()
+    # The drop-in's own work: the same call with the launch plan replaced by one that launches nothing.
+    drop_in()
+    remember(call_signature(p, None, DROP_IN_NAMES), lambda problem: True)
+    rows.update(per_call_us({"context_attention_fwd, no launch": drop_in}))
+    forget()
+    if info.capability[0] == 9:
+        rows.update(hopper_rows(p, backend, info, drop_in))
     for name, (us, low, high) in rows.items():
-        print(f"host overhead {spec.layout:<5} {name:<32} {us:7.1f} us/call (rounds {low:.1f}-{high:.1f})")
+        print(f"host overhead {spec.layout:<5} {name:<36} {us:7.1f} us/call (rounds {low:.1f}-{high:.1f})")
 
 
 if __name__ == "__main__":

@@ -397,6 +397,85 @@ def check_rebuilt_arguments():
         assert arguments(dataclasses.replace(later, k=shifted)) is None
 
 
+def test_repeated_calls_pass_the_descriptors_encoded_once_per_address():
+    """The launch plan hands Triton's compiled launcher exactly the arguments Triton's own launch path would,
+    with each TMA descriptor encoded when its tensor moved and not again for the next call (checked in a child
+    process, with the driver's encoder replaced by one that records what it encodes)."""
+    proc = run_child("import test_sm80_hopper as t; t.check_encoded_launch(); print('ENCODED OK')")
+    assert "ENCODED OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+class _RecordingEncoder:
+    """Stands in for the driver's ``fill_tma_descriptor``: an encoding that shows every input, and a count."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def fill_tma_descriptor(self, ptr, swizzle, elem_size, elem_type, block_size, shape, strides, padding):
+        self.calls += 1
+        return ("tensor map", ptr, swizzle, elem_size, elem_type, tuple(block_size), tuple(shape), tuple(strides),
+                padding)
+
+
+def _same_arguments(got: list, want: list) -> bool:
+    """Whether two launches' flat argument lists agree (tensors by address, shape, strides and dtype)."""
+    def key(a):
+        return (a.data_ptr(), a.shape, a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
+    return len(got) == len(want) and all(key(g) == key(w) for g, w in zip(got, want))
+
+
+def check_encoded_launch():
+    import functools
+    import types
+
+    from pagedprefill_sm80.hopper.encoded import EncodedLauncher
+    from pagedprefill_sm80.hopper.launch import DESCRIPTORS, _Arguments, kernel_call
+    from triton.backends.nvidia.driver import wrap_handle_tensordesc
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime import driver
+
+    encoder = _RecordingEncoder()
+    driver.set_active(types.SimpleNamespace(utils=encoder))
+    positions = range(DESCRIPTORS.start, DESCRIPTORS.stop)
+    for changes in ({"layout": "nhd"}, {"layout": "split"}, {"layout": "nhd", "kv_cache_dtype": "fp8_e4m3"},
+                    {"layout": "nhd", "head_size": 96}):
+        first = make_problem(SPEC.replace(**changes))
+        shape = problem_shape(first)
+        call = kernel_call(first, hopper_config(shape), shape)
+        args = call.tensors + call.scalars
+        assert [i for i, a in enumerate(args) if isinstance(a, TensorDescriptor)] == list(positions), changes
+        # Triton's launcher as the driver builds it for this kernel: the descriptors' positions in the signature
+        # and an encoding of each (values of the kind the compiler records), around an entry point that records.
+        launched = []
+        signature = {f"a{i}": "tensordesc<bf16[64, 128]>" if i in positions else "i32" for i in range(len(args))}
+        encodings = tuple({"swizzle": 3, "elem_size": 2, "elem_type": 10 + i, "block_size": [64, 128 + i],
+                           "fp4_padded": False} for i in range(len(positions)))
+        record = functools.partial(lambda into, *a: into.append(list(a)), launched)
+        run = types.SimpleNamespace(launch=wrap_handle_tensordesc(record, signature, encodings),
+                                    global_scratch_size=0, profile_scratch_size=0, launch_cooperative_grid=False,
+                                    launch_pdl=False)
+        compiled = types.SimpleNamespace(run=run)
+        encoded = EncodedLauncher.of(compiled, positions)
+        assert encoded is not None
+        arguments = _Arguments(first, call.tensors, encoded)
+        head = (7, 1, 1, 99, "function", "metadata", None, None, None)
+        other = make_problem(SPEC.replace(**changes, seed=7))
+        new_tokens_moved = dataclasses.replace(other, k=other.k.clone(), v=other.v.clone())
+        for later, moved in ((first, 5), (first, 0), (other, 5), (new_tokens_moved, 2), (new_tokens_moved, 0)):
+            # Float scales belong to the signature (another value, another plan): the scalars of a fresh call.
+            fresh = kernel_call(later, hopper_config(shape), shape)
+            before = encoder.calls
+            encoded(*head, *arguments(later), *fresh.scalars)
+            assert encoder.calls - before == moved, (changes, moved, encoder.calls - before)
+            run.launch(*head[:5], False, False, None, None, *head[5:], *fresh.tensors, *fresh.scalars)
+            assert _same_arguments(launched[-2], launched[-1]), changes
+        # Where the launcher is built otherwise, the plan keeps Triton's path.
+        assert EncodedLauncher.of(compiled, range(1, 6)) is None
+        for changed in ({"global_scratch_size": 128}, {"launch": lambda *a: None}):
+            assert EncodedLauncher.of(types.SimpleNamespace(run=types.SimpleNamespace(**{**vars(run), **changed})),
+                                      positions) is None
+
+
 def test_schedule_flags_parse_by_name():
     from pagedprefill_sm80.hopper.launch import SCHEDULE, parse_schedule
 

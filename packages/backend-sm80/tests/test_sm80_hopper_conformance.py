@@ -120,3 +120,34 @@ class TestSm80HopperConformance(ConformanceSuite):
         out = self.run_backend(problem, pagedprefill_device)
         atol, rtol = self.tolerances[spec.dtype]
         assert_matches_reference(out, problem, atol, rtol, label=f"strided split FP8 key cache [{spec.describe()}]")
+
+    @pytest.mark.parametrize("changes", [{"layout": "nhd"}, {"layout": "split"},
+                                         {"layout": "split", "kv_cache_dtype": "fp8_e4m3", "scale_as_tensor": True},
+                                         {"layout": "nhd", "kv_in_cache": True}],
+                             ids=["nhd", "split", "split-fp8", "nhd-kv-in-cache"])
+    def test_a_plan_follows_tensors_that_moved(self, changes, pagedprefill_device):
+        """The launch plan of one call signature (TMA descriptors encoded per address) computes later calls whose
+        tensors all moved, then whose new tokens' keys and values alone moved, then the first call's tensors
+        again, each matching the reference."""
+        import dataclasses
+
+        from pagedprefill import get_registry
+        from pagedprefill.testing.cases import assert_matches_reference
+        from pagedprefill.workloads import make_problem
+
+        info = self.device_info(pagedprefill_device)
+        spec = BASE.replace(head_size=128, block_size=16, dtype=torch.bfloat16, num_heads=8, num_kv_heads=2,
+                            query_lens=(70, 1, 130), context_lens=(200, 45, 0), **changes)
+        first = make_problem(spec, pagedprefill_device)
+        backend = get_registry().get(self.backend)
+        assert backend.kernel_for(first, info) == "hopper", spec.describe()
+        plan = backend.bind(first, info)
+        other = make_problem(spec.replace(seed=7), pagedprefill_device)
+        new_tokens_moved = other if other.k is None else dataclasses.replace(other, k=other.k.clone(),
+                                                                             v=other.v.clone())
+        atol, rtol = self.tolerances[spec.dtype]
+        for label, later in (("every tensor moved", other), ("new tokens moved", new_tokens_moved),
+                             ("the first call's tensors", first)):
+            later = dataclasses.replace(later, out=torch.full_like(later.out, float("nan")))
+            assert plan(later), f"the plan declined a call of its signature ({label})"
+            assert_matches_reference(later.out, later, atol, rtol, label=f"{label} [{spec.describe()}]")

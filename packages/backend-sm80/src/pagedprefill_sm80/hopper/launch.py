@@ -22,6 +22,7 @@ from pagedprefill.triton.launch import FP8_E4M3_MAX, BoundLaunch, KernelCall, _s
 from pagedprefill.types import KVLayout, PrefillProblem
 
 from ..policy import hopper_schedule
+from .encoded import EncodedLauncher
 
 #: Head sizes the kernel is built for: powers of two (its register tensors need them), and in the NHD layout the
 #: sizes of :data:`PADDED_HEADS`.
@@ -600,14 +601,16 @@ def _descriptor_sources(p: PrefillProblem) -> tuple:
 class _Arguments:
     """A call signature's tensor arguments, rebuilt per call from a later problem: TMA descriptors keep the
     first call's shapes, strides, boxes and layouts (all fixed by the signature) and take the new addresses,
-    and a descriptor whose address did not change (the cache, call after call) is reused as it is."""
+    and a descriptor whose address did not change (the cache, call after call) is reused as it is. With an
+    :class:`~.encoded.EncodedLauncher` each descriptor is passed encoded, and encoded again only when its
+    tensor moved."""
 
-    def __init__(self, first: PrefillProblem, tensors: tuple):
+    def __init__(self, first: PrefillProblem, tensors: tuple, encoded: Optional[EncodedLauncher] = None):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         sources = _descriptor_sources(first)
         self._slots = []  # (argument position, source position, dtype, shape, strides, block, layout)
-        self._last = {}  # argument position -> (address, descriptor)
+        self._last = {}  # argument position -> (address, the argument passed)
         for position, arg in enumerate(tensors):
             if isinstance(arg, TensorDescriptor):
                 # By address: an FP8 cache is described through a view of its bytes, a tensor of its own.
@@ -616,6 +619,7 @@ class _Arguments:
                 self._slots.append((position, source, arg.base.dtype, arg.shape, arg.strides, arg.block_shape,
                                     arg.layout))
         self._descriptor = TensorDescriptor
+        self._encoded = encoded
 
     def __call__(self, later: PrefillProblem) -> Optional[tuple]:
         """The arguments for ``later``, or None when an address lost TMA's 16-byte alignment."""
@@ -627,7 +631,10 @@ class _Arguments:
             if last is None or last[0] != ptr:
                 if ptr % 16:
                     return None
-                last = (ptr, self._descriptor(_Address(ptr, dtype), shape, strides, block, layout))
+                descriptor = self._descriptor(_Address(ptr, dtype), shape, strides, block, layout)
+                if self._encoded is not None:
+                    descriptor = self._encoded.encode(position, descriptor)
+                last = (ptr, descriptor)
                 self._last[position] = last
             args[position] = last[1]
         return tuple(args)
@@ -635,7 +642,8 @@ class _Arguments:
 
 def bind_hopper(problem: PrefillProblem, config: TileConfig, shape: ProblemShape, schedule: Optional[dict] = None):
     """Launch ``problem`` and return ``launch(later_problem) -> bool`` for later calls with its signature, or
-    None when nothing was launched. Later calls rebuild only the TMA descriptors whose tensor moved."""
+    None when nothing was launched. Later calls rebuild and encode only the TMA descriptors whose tensor moved
+    (:mod:`.encoded`)."""
     from .kernel import hopper_prefill_kernel
 
     call = kernel_call(problem, config, shape, schedule)
@@ -644,8 +652,10 @@ def bind_hopper(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
     device = problem.q.device
     with device_guard(device):
         compiled = hopper_prefill_kernel[call.grid](*call.args, **call.kwargs)
-    bound = BoundLaunch(compiled, call, device, kernel=hopper_prefill_kernel)
-    arguments = _Arguments(problem, call.tensors)
+    # Triton's launcher would encode the five descriptors again on every launch: encode them per address.
+    encoded = EncodedLauncher.of(compiled, range(DESCRIPTORS.start, DESCRIPTORS.stop))
+    bound = BoundLaunch(compiled, call, device, kernel=hopper_prefill_kernel, run=encoded)
+    arguments = _Arguments(problem, call.tensors, encoded)
 
     def launch(later: PrefillProblem) -> bool:
         tensors = arguments(later)

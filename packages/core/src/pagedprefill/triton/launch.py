@@ -17,7 +17,7 @@ Two ways to launch:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import triton
@@ -243,15 +243,18 @@ class BoundLaunch:
 
     Built from one :class:`KernelCall` after Triton compiled it; valid for any later problem with the same
     call signature (shapes, strides, dtypes, scalars, options) whose tensors are 16-byte aligned like the
-    first one's, which :meth:`__call__` checks (it returns False and launches nothing otherwise).
+    first one's, which :meth:`__call__` checks (it returns False and launches nothing otherwise). ``run``
+    replaces Triton's launcher of ``compiled`` (``compiled.run``) with one that takes the same arguments, e.g.
+    one that receives TMA descriptors already encoded.
     """
 
     __slots__ = ("_run", "_function", "_metadata", "_grid", "_tail", "_aligned", "_device_index", "_stream")
 
-    def __init__(self, compiled: Any, call: KernelCall, device: torch.device, kernel: Any = prefix_prefill_kernel):
+    def __init__(self, compiled: Any, call: KernelCall, device: torch.device, kernel: Any = prefix_prefill_kernel,
+                 run: Optional[Callable[..., None]] = None):
         from triton.runtime import driver
 
-        self._run = compiled.run
+        self._run = compiled.run if run is None else run
         self._function = compiled.function
         self._metadata = compiled.packed_metadata
         self._grid = call.grid
