@@ -20,10 +20,12 @@ __all__ = ["FEATURES", "AttentionOptions", "BatchMetadata", "KVCacheDType", "KVL
 
 ScaleLike = Union[float, torch.Tensor]
 
-#: ``(name, attribute, default)`` of the options each typed object holds, for PrefillProblem.from_tensors
-#: (read once: every call of the public functions builds a problem).
-_HELD_FIELDS = {holder: tuple((o.name, o.attribute, o.default) for o in held_by(holder))
-                for holder in ("cache", "batch", "options")}
+#: ``(name, attribute, default)`` of the options the cache, the batch and the attention options hold, for
+#: PrefillProblem.from_tensors (read once: every call of the public functions builds a problem).
+_CACHE_FIELDS, _BATCH_FIELDS, _OPTION_FIELDS = (tuple((o.name, o.attribute, o.default) for o in held_by(holder))
+                                                for holder in ("cache", "batch", "options"))
+#: The names :meth:`PrefillProblem.from_tensors` takes.
+_HELD_NAMES = frozenset(name for fields in (_CACHE_FIELDS, _BATCH_FIELDS, _OPTION_FIELDS) for name, _, _ in fields)
 
 
 class KVLayout(str, enum.Enum):
@@ -58,12 +60,11 @@ class KVCacheDType(str, enum.Enum):
                 f"kv_cache_dtype: expected a str such as 'auto', 'fp8', 'fp8_e4m3' or 'fp8_e5m2', "
                 f"got {type(value).__name__}"
             )
-        aliases = {"auto": cls.AUTO, "fp8": cls.FP8_E4M3, "fp8_e4m3": cls.FP8_E4M3, "fp8_e5m2": cls.FP8_E5M2}
         try:
-            return aliases[value.lower()]
+            return _KV_CACHE_DTYPE_NAMES[value.lower()]
         except KeyError:
             raise ValueError(
-                f"kv_cache_dtype: expected one of {sorted(aliases)}, got {value!r}"
+                f"kv_cache_dtype: expected one of {sorted(_KV_CACHE_DTYPE_NAMES)}, got {value!r}"
             ) from None
 
     @property
@@ -78,6 +79,11 @@ class KVCacheDType(str, enum.Enum):
             KVCacheDType.FP8_E4M3: torch.float8_e4m3fn,
             KVCacheDType.FP8_E5M2: torch.float8_e5m2,
         }[self]
+
+
+#: The spellings of :meth:`KVCacheDType.parse` (lower case).
+_KV_CACHE_DTYPE_NAMES = {"auto": KVCacheDType.AUTO, "fp8": KVCacheDType.FP8_E4M3, "fp8_e4m3": KVCacheDType.FP8_E4M3,
+                         "fp8_e5m2": KVCacheDType.FP8_E5M2}
 
 
 @dataclass(frozen=True)
@@ -270,19 +276,20 @@ class PrefillProblem:
         description's defaults. ``layout=None`` reads the layout from ``k_cache`` (5-D: split, else NHD).
         Nothing is validated here (see :func:`~pagedprefill.validate_problem`).
         """
-        values = {holder: {attribute: scalars.pop(name, default) for name, attribute, default in fields}
-                  for holder, fields in _HELD_FIELDS.items()}
-        if scalars:
-            raise TypeError(f"from_tensors: unexpected arguments {sorted(scalars)}; expected options held by "
-                            f"the cache, the batch or AttentionOptions (pagedprefill.options.OPTIONS)")
-        cache_fields = values["cache"]
+        if not _HELD_NAMES.issuperset(scalars):
+            raise TypeError(f"from_tensors: unexpected arguments {sorted(set(scalars) - _HELD_NAMES)}; expected "
+                            f"options held by the cache, the batch or AttentionOptions (pagedprefill.options.OPTIONS)")
+        given = scalars.get
+        cache_fields = {attribute: given(name, default) for name, attribute, default in _CACHE_FIELDS}
         if cache_fields["layout"] is None:
             split = isinstance(k_cache, torch.Tensor) and k_cache.dim() == 5
             cache_fields["layout"] = KVLayout.SPLIT if split else KVLayout.NHD
         cache = PagedKVCache(k_cache, v_cache, **cache_fields)
         batch = BatchMetadata(query_start=query_start, seq_lens=seq_lens, context_lens=context_lens,
-                              block_table=block_table, **values["batch"])
-        return cls(q=q, k=k, v=v, out=out, cache=cache, batch=batch, options=AttentionOptions(**values["options"]))
+                              block_table=block_table,
+                              **{attribute: given(name, default) for name, attribute, default in _BATCH_FIELDS})
+        options = AttentionOptions(**{attribute: given(name, default) for name, attribute, default in _OPTION_FIELDS})
+        return cls(q=q, k=k, v=v, out=out, cache=cache, batch=batch, options=options)
 
     @property
     def kv_in_cache(self) -> bool:
