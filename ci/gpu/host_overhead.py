@@ -20,6 +20,7 @@ from pagedprefill.testing import BatchSpec, make_problem
 from pagedprefill.triton.kernel import prefix_prefill_kernel
 from pagedprefill.triton.launch import bind_launch, call_tensors, kernel_call, launch_prefill
 from pagedprefill.validation import DROP_IN_NAMES
+from pagedprefill.vllm import context_attention_fwd as vllm_context_attention_fwd
 
 
 def per_call_us(fns: dict, calls: int = 2000, rounds: int = 7) -> dict:
@@ -105,8 +106,12 @@ def main():
     c, b = p.cache, p.batch
     drop_in = lambda: pp.context_attention_fwd(p.q, p.k, p.v, p.out, "auto", c.key, c.value, b.block_table,  # noqa: E731
                                                b.query_start, b.seq_lens, b.context_lens, 4)
+    # The serving engine's signature: context lengths computed on the device from b_start_loc's B + 1 entries.
+    vllm_drop_in = lambda: vllm_context_attention_fwd(  # noqa: E731
+        p.q, p.k, p.v, p.out, "auto", c.key, c.value, b.block_table, b.query_start, b.seq_lens, None, 4, 1.0, 1.0)
     fns = {
         "context_attention_fwd": drop_in,
+        "vllm.context_attention_fwd": vllm_drop_in,
         f"{backend.name} backend.run": lambda: backend.run(p, info),
         "launch_prefill": lambda: launch_prefill(p, cfg),
         "bare Triton launch": lambda: prefix_prefill_kernel[call.grid](*call.args, **call.kwargs),

@@ -66,7 +66,7 @@ def _context_lens(b_start_loc: torch.Tensor, b_seq_len: torch.Tensor) -> torch.T
             f"b_start_loc: expected shape [{B + 1}] (num_seqs + 1 entries: query lengths are the differences of "
             f"consecutive starts), got [{b_start_loc.shape[0]}]"
         )
-    return (b_seq_len - (b_start_loc[1:] - b_start_loc[:-1])).to(b_seq_len.dtype)
+    return (b_seq_len - b_start_loc.diff()).to(b_seq_len.dtype)
 
 
 def _cache_dtype(kv_cache_dtype, k_cache) -> str:
