@@ -153,14 +153,15 @@ def run_suite(backends: list[str], workloads: list[Workload], device: torch.devi
 
 def host_overhead(device: torch.device, backend: str, layout: str = "split", calls: int = 2000,
                   rounds: int = 7) -> dict:
-    """Microseconds per call on a tiny batch, host-bound: the drop-in, and a bare launch of core's kernel.
+    """Microseconds per call on a tiny batch, host-bound: the two drop-in signatures (the classic one, and the
+    serving engine's, which computes the context lengths on the device first), and a bare launch of core's kernel.
 
     The bare launch exists only for backends built on core's Triton kernel (None otherwise). Each is timed in
     ``rounds`` rounds of ``calls / rounds`` calls without synchronising, the two alternating round by round so
     that both see the same state of the host, and the median round is reported (a shared host's speed moves
     between one measurement and the next: single runs of 2000 calls differed by 1.7 x on the same machine).
     """
-    from .. import api
+    from .. import api, vllm
     from ..api import get_registry
     from ..backends.triton_base import TritonBackend, problem_shape
     from ..device import DeviceInfo
@@ -174,7 +175,11 @@ def host_overhead(device: torch.device, backend: str, layout: str = "split", cal
         api.context_attention_fwd(p.q, p.k, p.v, p.out, "auto", c.key, c.value, b.block_table, b.query_start,
                                   b.seq_lens, b.context_lens, 4, backend=backend)
 
-    timed = {"drop_in_us": drop_in}
+    def vllm_drop_in():
+        vllm.context_attention_fwd(p.q, p.k, p.v, p.out, "auto", c.key, c.value, b.block_table, b.query_start,
+                                   b.seq_lens, None, 4, 1.0, 1.0, backend=backend)
+
+    timed = {"drop_in_us": drop_in, "vllm_drop_in_us": vllm_drop_in}
     chosen = get_registry().get(backend)
     if isinstance(chosen, TritonBackend):
         from ..triton.kernel import prefix_prefill_kernel
@@ -197,7 +202,7 @@ def host_overhead(device: torch.device, backend: str, layout: str = "split", cal
             accelerator.synchronize(device)
             samples[name].append((time.perf_counter() - started) / per_round * 1e6)
     result = {"backend": backend, "layout": layout, "calls": per_round * rounds, "drop_in_us": None,
-              "bare_launch_us": None}
+              "vllm_drop_in_us": None, "bare_launch_us": None}
     result.update({name: statistics.median(values) for name, values in samples.items()})
     result["spread_us"] = {name: [round(min(values), 1), round(max(values), 1)] for name, values in samples.items()}
     return result
@@ -218,8 +223,9 @@ def format_table(rows: list[dict], field: str = "tflops", fmt: str = "{:.1f}") -
 
 def format_overhead(results: list[dict]) -> str:
     """The host-overhead table: the median round of each, with the fastest and slowest rounds."""
-    lines = ["| backend | layout | drop-in context_attention_fwd | bare Triton launch, core's kernel |",
-             "| --- | --- | ---: | ---: |"]
+    lines = ["| backend | layout | drop-in context_attention_fwd | vllm.context_attention_fwd | bare Triton launch, "
+             "core's kernel |",
+             "| --- | --- | ---: | ---: | ---: |"]
 
     def cell(r: dict, name: str) -> str:
         if r.get(name) is None:
@@ -228,7 +234,8 @@ def format_overhead(results: list[dict]) -> str:
         return f"{r[name]:.1f}" + (f" ({low_high[0]:.1f}-{low_high[1]:.1f})" if low_high else "")
 
     for r in results:
-        lines.append(f"| {r['backend']} | {r['layout']} | {cell(r, 'drop_in_us')} | {cell(r, 'bare_launch_us')} |")
+        lines.append(f"| {r['backend']} | {r['layout']} | {cell(r, 'drop_in_us')} | {cell(r, 'vllm_drop_in_us')} | "
+                     f"{cell(r, 'bare_launch_us')} |")
     return "\n".join(lines)
 
 
