@@ -157,8 +157,8 @@ def host_overhead(device: torch.device, backend: str, layout: str = "split", cal
     serving engine's, which computes the context lengths on the device first), and a bare launch of core's kernel.
 
     The bare launch exists only for backends built on core's Triton kernel (None otherwise). Each is timed in
-    ``rounds`` rounds of ``calls / rounds`` calls without synchronising, the two alternating round by round so
-    that both see the same state of the host, and the median round is reported (a shared host's speed moves
+    ``rounds`` rounds of ``calls / rounds`` calls without synchronising, all of them alternating round by round so
+    that they see the same state of the host, and the median round is reported (a shared host's speed moves
     between one measurement and the next: single runs of 2000 calls differed by 1.7 x on the same machine).
     """
     from .. import api, vllm
@@ -303,8 +303,8 @@ def cmd_bench(args) -> int:
     print("\nFirst call per workload (s, includes compiling unless cached):\n")
     print(format_table(rows, "first_call_s", "{:.1f}"))
     if overhead:
-        print("\nHost overhead, tiny batch, us per call (no synchronisation; median of 7 rounds of 285 calls, the "
-              "two alternating, with the fastest and slowest round):\n")
+        print("\nHost overhead, tiny batch, us per call (no synchronisation; median of 7 rounds of 285 calls, "
+              "alternating, with the fastest and slowest round):\n")
         print(format_overhead(overhead))
     if args.json:
         with open(args.json, "w") as fh:
