@@ -5,7 +5,8 @@ per key tile. This script compiles three small Gluon loops for sm90 and prints t
 (``bar.sync``) in each loop body: one of waits on a barrier chosen at run time, one of waits on two barriers
 fixed at compile time, and one of a wait followed by a one-thread arrival on another barrier. Where the
 installed Triton's shared-memory hazard analysis puts a barrier before every wait, the kernel's consumers meet
-at a barrier at the top of every key tile whatever the kernel does (docs/performance.md, run 13).
+at a barrier at the top of every key tile whatever the kernel does (docs/performance.md, "What limits each
+gap": the long prefill).
 
 Usage::
 

@@ -2,7 +2,7 @@
 its speed against the portable kernel on the bench suite's NHD workloads (same run, same data).
 
 Usage: python ci/gpu/hopper_check.py [--quick] [--reps MS] [--rounds N] [--only NAME,...] [--variants LABEL,...]
-                                    [--layouts nhd,split] [--warm N] [--schedule PINGPONG=1]
+                                    [--layouts nhd,split] [--warm N] [--schedule FUSED_SCALE=0]
 Each case prints one line; the last lines are a table. Exit status 1 when a case misses the tolerance.
 """
 
@@ -44,7 +44,7 @@ CASES = {
     "split": dict(layout="split"), "split_d64": dict(layout="split", head_size=64),
     "split_bs64": dict(layout="split", block_size=64), "split_window_alibi": dict(layout="split", sliding_window=100,
                                                                                    alibi=True),
-    "split_d256": dict(layout="split", head_size=256),  # 32 keys per step (64 under --schedule NEW_VALUES_T=1)
+    "split_d256": dict(layout="split", head_size=256),  # 32 keys per step beside three rings
     "split_d96": dict(layout="split", head_size=96),
     "split_d96_mqa_features": dict(layout="split", head_size=96, num_kv_heads=1, sliding_window=100, alibi=True,
                                    sinks=True, fp8_out_scale=0.25),
@@ -93,91 +93,66 @@ def check(info, backend) -> list[tuple]:
 
 
 #: Variants timed against each other: (label, tile changes, schedule).
-#: (Measured before and left out, docs/performance.md run 3: index order, 128-key tiles with 2 stages, and
-#: OVERLAP without PINGPONG.)
+#: (Measured before and left out: index order, never faster than heaviest tiles first.)
 VARIANTS = [
-    ("lockstep", {}, dict(HEAVY_FIRST=True, PINGPONG=False, TURNS=False)),
-    ("pingpong", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
-    ("pingpong-turns", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=True)),
-    ("pingpong-s4", dict(num_stages=4), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
-    # The split layout's cached values copied into V^T in a 128-byte swizzle instead of 32-byte TMA page boxes.
-    ("pingpong-vt-copies", {}, dict(HEAVY_FIRST=True, PINGPONG=True, VT_COPIES=True)),
-    # The split layout's key copies shared by a producer warpgroup (and the values' too, with VT_COPIES).
+    ("lockstep", {}, dict(HEAVY_FIRST=True, PINGPONG=False)),
+    ("pingpong", {}, dict(HEAVY_FIRST=True, PINGPONG=True)),
+    ("pingpong-s4", dict(num_stages=4), dict(HEAVY_FIRST=True, PINGPONG=True)),
+    # The split layout's key copies shared by a producer warpgroup.
     ("pingpong-wide-producer", {}, dict(HEAVY_FIRST=True, PINGPONG=True, WIDE_PRODUCER=True)),
-    ("pingpong-wide-producer-vt", {}, dict(HEAVY_FIRST=True, PINGPONG=True, WIDE_PRODUCER=True, VT_COPIES=True)),
     # The split layout's cached keys read by a producer warpgroup with loads and stores instead of 16-byte copies.
     ("pingpong-key-loads", {}, dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=True)),
-    # ... and by 16-byte copies, as before the policy chose the two above for head sizes 128 and 256 (run 10).
+    # ... and by 16-byte copies, which the policy keeps where the loads do not win.
     ("pingpong-key-copies", {}, dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=False, VALUES_FIRST=False)),
     # ... with each tile's value boxes issued before its keys are loaded.
     ("pingpong-key-loads-values-first", {}, dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=True, VALUES_FIRST=True)),
     # ... with 64 keys per chunk of loads (a whole 128-key tile in flight), on every split row; the policy's
-    # choice on 128-key tiles of a 16-bit cache since run 11.
+    # choice on 128-key tiles of a 16-bit cache.
     ("pingpong-key-loads-wide-chunks", {},
      dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=True, VALUES_FIRST=True, WIDE_KEY_CHUNKS=True)),
     # ... with each cached tile's keys loaded before its buffer is free (the policy's key loads otherwise); the
-    # policy's choice at head sizes 64-128 since run 12 (``pingpong`` there), and this variant's at head size 256.
+    # policy's choice at head sizes 64-128 (``pingpong`` there), and this variant's at head size 256.
     ("pingpong-early-keys", {}, dict(HEAVY_FIRST=True, PINGPONG=True, EARLY_KEYS=True)),
-    # ... and issued once the buffer is free, as before run 12.
+    # ... and issued once the buffer is free.
     ("pingpong-late-keys", {}, dict(HEAVY_FIRST=True, PINGPONG=True, EARLY_KEYS=False)),
-    # FP8 caches widened once by a producer warpgroup (the consumers' copies freed: room for 3 stages).
-    ("pingpong-producer-widens", {}, dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=True)),
-    ("pingpong-producer-widens-s3", dict(num_stages=3), dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=True)),
+    # FP8 caches in 3 stages: the producer widens each tile once, so the consumers hold no copies of their own.
+    ("pingpong-s3", dict(num_stages=3), dict(HEAVY_FIRST=True, PINGPONG=True)),
     # ... through float32: packed conversions instead of one scalar float16-to-bfloat16 conversion per element.
     ("pingpong-f32-widening", {}, dict(HEAVY_FIRST=True, PINGPONG=True, F32_WIDENING=True)),
-    # The split layout's new-token values stored transposed by the producer into the V^T ring (no V ring): on the
-    # policy's tiles, on 64 keys per step at head size 256 and on 128 keys in 3 stages at head size 128 (the tiles
-    # the freed ring makes room for).
-    ("pingpong-new-values-t", {}, dict(HEAVY_FIRST=True, PINGPONG=True, NEW_VALUES_T=True)),
-    ("pingpong-new-values-t-n64-s2", dict(block_n=64, num_stages=2),
-     dict(HEAVY_FIRST=True, PINGPONG=True, NEW_VALUES_T=True)),
-    ("pingpong-new-values-t-n128-s3", dict(block_n=128, num_stages=3),
-     dict(HEAVY_FIRST=True, PINGPONG=True, NEW_VALUES_T=True)),
-    # The scale applied to the scores by a multiply of its own before the row maximum, as before run 16 (the
-    # policy's schedule folds it into each key's exponent as one fused multiply-add).
+    # The scale applied to the scores by a multiply of its own before the row maximum (the policy's schedule
+    # folds it into each key's exponent as one fused multiply-add).
     ("pingpong-unfused-scale", {}, dict(HEAVY_FIRST=True, PINGPONG=True, FUSED_SCALE=False)),
-    # Each consumer thread handing a buffer back by an arrival of its own, without a barrier among its warps first.
-    ("pingpong-thread-arrivals", {}, dict(HEAVY_FIRST=True, PINGPONG=True, THREAD_ARRIVALS=True)),
-    # The split layout's cached FP8 keys and values by unswizzled TMA boxes, one per page each (the policy's since
-    # run 14), and by 16-byte copies, as before.
+    # The split layout's cached FP8 keys and values by unswizzled TMA boxes, one per page each (the policy's), and
+    # by 16-byte copies.
     ("pingpong-fp8-boxes", {}, dict(HEAVY_FIRST=True, PINGPONG=True, FP8_BOXES=True)),
     ("pingpong-fp8-copies", {}, dict(HEAVY_FIRST=True, PINGPONG=True, FP8_BOXES=False)),
     # The split layout's cached FP8 values widened into the V ring (no V^T ring): on the policy's tile, on the 128
-    # keys in 2 stages this makes room for (the policy's for long calls since run 15), and run 14's 64 keys beside
-    # a V^T ring.
+    # keys in 2 stages this makes room for (the policy's for long calls), and 64 keys beside a V^T ring.
     ("pingpong-widen-to-v", {}, dict(HEAVY_FIRST=True, PINGPONG=True, WIDEN_TO_V=True)),
     ("pingpong-widen-to-v-n128", dict(block_n=128, num_stages=2), dict(HEAVY_FIRST=True, PINGPONG=True,
                                                                        WIDEN_TO_V=True)),
     ("pingpong-vt-ring-n64", dict(block_n=64, num_stages=2), dict(HEAVY_FIRST=True, PINGPONG=True,
                                                                   WIDEN_TO_V=False)),
-    # Each consumer widening its own copy of an FP8 tile (the default before run 7).
-    ("pingpong-consumers-widen", {}, dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=False)),
-    # The next tile's Q K^T issued before this tile's softmax: 0.58-0.93 x the policy's schedule in run 12.
-    ("pingpong-overlap", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, OVERLAP=True)),
-    ("pingpong-overlap-turns", {}, dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=True, OVERLAP=True)),
-    # 128 keys per step in a 2-deep ring: the policy's tile for NHD and long prefills up to head size 128 since
-    # run 6; timed on the other rows too.
-    ("pingpong-n128-s2", dict(block_n=128, num_stages=2), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
+    # 128 keys per step in a 2-deep ring: the policy's tile for NHD and long prefills up to head size 128; timed
+    # on the other rows too.
+    ("pingpong-n128-s2", dict(block_n=128, num_stages=2), dict(HEAVY_FIRST=True, PINGPONG=True)),
     # 128 keys in a 3-deep ring (225 KiB at head size 128): what `pagedprefill tune` chose for short NHD calls.
-    ("pingpong-n128-s3", dict(block_n=128, num_stages=3), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
-    # One query head per tile, with 128 keys in 3 stages: what `pagedprefill tune` chose for short NHD calls in
-    # run 8 (the bench's many-short row ran it at 405 TFLOP/s; 442-476 with four heads in other runs).
-    ("pingpong-g1", dict(heads_per_tile=1), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
-    ("pingpong-n128-s3-g1", dict(block_n=128, num_stages=3, heads_per_tile=1),
-     dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
-    # The policy's tiles before run 6: 64 keys in a 3-deep ring up to head size 128, and head size 256 on 64 rows
-    # over one consumer warpgroup.
-    ("pingpong-n64-s3", dict(block_n=64, num_stages=3), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
+    ("pingpong-n128-s3", dict(block_n=128, num_stages=3), dict(HEAVY_FIRST=True, PINGPONG=True)),
+    # One query head per tile, with 128 keys in 3 stages: what `pagedprefill tune` once chose for short NHD calls
+    # (it ran the bench's many-short row slower than the rule's four heads per tile).
+    ("pingpong-g1", dict(heads_per_tile=1), dict(HEAVY_FIRST=True, PINGPONG=True)),
+    ("pingpong-n128-s3-g1", dict(block_n=128, num_stages=3, heads_per_tile=1), dict(HEAVY_FIRST=True, PINGPONG=True)),
+    # 64 keys in a 3-deep ring up to head size 128, and head size 256 on 64 rows over one consumer warpgroup: the
+    # policy's first tiles.
+    ("pingpong-n64-s3", dict(block_n=64, num_stages=3), dict(HEAVY_FIRST=True, PINGPONG=True)),
     # 256 keys per step, for head size 64 (the widest warpgroup MMA; 208 KiB in 3 stages on NHD): half the per-step
     # work outside the MMAs of 128 keys again. The split layout's copies of 256 keys need a producer warpgroup.
-    # (The split layout's keys by 16-byte copies, as in run 11.)
-    ("pingpong-n256-s2", dict(block_n=256, num_stages=2),
-     dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, KEY_LOADS=False)),
-    ("pingpong-n256-s3", dict(block_n=256, num_stages=3),
-     dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, KEY_LOADS=False)),
+    # (The split layout's keys by 16-byte copies.)
+    ("pingpong-n256-s2", dict(block_n=256, num_stages=2), dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=False)),
+    ("pingpong-n256-s3", dict(block_n=256, num_stages=3), dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=False)),
     ("pingpong-n256-s2-wide-producer", dict(block_n=256, num_stages=2),
-     dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False, WIDE_PRODUCER=True, KEY_LOADS=False)),
-    ("pingpong-m64", dict(block_m=64, num_warps=4), dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False)),
+     dict(HEAVY_FIRST=True, PINGPONG=True, WIDE_PRODUCER=True, KEY_LOADS=False)),
+    ("pingpong-m64", dict(block_m=64, num_warps=4), dict(HEAVY_FIRST=True, PINGPONG=True)),
 ]
 
 
@@ -316,8 +291,7 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=100, help="do_bench budget per timing, ms")
     parser.add_argument("--rounds", type=int, default=1, metavar="N",
                         help="time each workload's variants in N alternating rounds and report the median with "
-                             "the range (one timing separates only differences of about 10%%: docs/performance.md, "
-                             "run 5)")
+                             "the range (on a shared machine one timing separates only differences of about 10%%)")
     parser.add_argument("--no-timing", action="store_true")
     parser.add_argument("--no-correctness", action="store_true",
                         help="time only (the conformance suites already checked these tiles)")
@@ -332,7 +306,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-cache-dtype", default="", metavar="FORMAT",
                         help="time the workloads with this cache format instead of their own (e.g. fp8_e4m3)")
     parser.add_argument("--schedule", default="", metavar="NAME=0|1,...",
-                        help="check correctness with these schedule flags of the Hopper kernel (e.g. PINGPONG=1)")
+                        help="check correctness with these schedule flags of the Hopper kernel (e.g. FUSED_SCALE=0)")
     parser.add_argument("--layouts", default="nhd,split", metavar="LAYOUT,...", help="the cache layouts timed")
     parser.add_argument("--warm", type=int, default=0, metavar="N",
                         help="compile the timed kernels in N processes at once before timing")
