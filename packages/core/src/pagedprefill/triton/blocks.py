@@ -88,6 +88,50 @@ def tile_rows(offs_m, tok0, kv_head, chunk, group_size, seq_row0, ctx_len, q_len
 
 
 @triton.jit
+def visible_keys(ctx_len, q_len, tok0, tok_last, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                 NEW_KV_IN_CACHE: tl.constexpr):
+    """The key positions a query tile of tokens ``tok0 .. tok_last`` (within its sequence) can see:
+    ``(lo, full_from, cache_end, cache_full_to, kv_len)``.
+
+    ``lo`` is the lowest key any row sees (0, or the window's start for the first row: tiles below it are never
+    visited) and ``full_from`` the lowest one every row sees (the window's start for the last row). The cached
+    walk covers ``[lo, cache_end)`` and every row sees all of ``[full_from, cache_full_to)`` in it; ``kv_len`` is
+    how many positions the cache holds for the sequence. With the new tokens' K/V already in the cache
+    (``NEW_KV_IN_CACHE``) the cached walk covers them too, up to the causal diagonal; otherwise it ends at the
+    context and the new tokens are a walk of their own.
+    """
+    pos_first = ctx_len + tok0
+    pos_last = ctx_len + tok_last
+    lo = 0
+    full_from = 0
+    if WINDOW:
+        lo = tl.maximum(pos_first - window + 1, 0)
+        full_from = tl.maximum(pos_last - window + 1, 0)
+    kv_len = cached_length(ctx_len, q_len, NEW_KV_IN_CACHE)
+    if NEW_KV_IN_CACHE:
+        if CAUSAL:
+            cache_end = pos_last + 1
+            cache_full_to = pos_first + 1
+        else:
+            cache_end = kv_len
+            cache_full_to = kv_len
+    else:
+        cache_end = ctx_len
+        cache_full_to = ctx_len
+    return lo, full_from, cache_end, cache_full_to, kv_len
+
+
+@triton.jit
+def cached_length(ctx_len, q_len, NEW_KV_IN_CACHE: tl.constexpr):
+    """How many key positions the cache holds for a sequence: its context, and its new tokens too when their
+    K/V were written to the cache before the call (``NEW_KV_IN_CACHE``)."""
+    if NEW_KV_IN_CACHE:
+        return ctx_len + q_len
+    else:
+        return ctx_len
+
+
+@triton.jit
 def aligned(stride, ALIGN: tl.constexpr):
     """``stride``, known by the launcher to be a multiple of ``ALIGN`` elements, said so to the compiler.
 
@@ -231,19 +275,31 @@ def soft_cap(s, cap):
 
 
 @triton.jit
+def scale_logits(s, k_pos, q_pos, alibi_slope_log2, qk_scale, softcap, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                 SCALE_IN_EXP: tl.constexpr = False):
+    """Raw scores ``s`` (``[M, N]``, keys at positions ``k_pos``, rows at ``q_pos``) as log2-domain logits: scale,
+    softcap and ALiBi applied.
+
+    ``qk_scale`` is ``sm_scale * k_scale * log2(e)`` without softcap, ``sm_scale * k_scale`` with it;
+    ``alibi_slope_log2`` is each row's slope times ``log2(e)``. ``SCALE_IN_EXP`` (no softcap, no ALiBi: both need
+    the scaled scores) leaves the scale to :func:`softmax_step`, which folds it into each key's exponent.
+    """
+    if SOFTCAP:
+        s = soft_cap(s * qk_scale, softcap) * LOG2E
+    elif not SCALE_IN_EXP:
+        s = s * qk_scale
+    if ALIBI:
+        s += alibi_slope_log2[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
+    return s
+
+
+@triton.jit
 def logits(query, k, k_pos, scoring, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Scores of the query tile (``query.q``, ``[M, D]``) with keys ``k`` (``[D, N]``, at positions ``k_pos``)
-    as log2-domain logits: scale, softcap and ALiBi applied.
-
-    ``scoring.qk_scale`` is ``sm_scale * k_scale * log2(e)`` without softcap, ``sm_scale * k_scale`` with it;
-    ``query.alibi_slope_log2`` is each row's slope times ``log2(e)``.
-    """
-    s = tl.dot(query.q, k, input_precision=DOT_PRECISION) * scoring.qk_scale
-    if SOFTCAP:
-        s = soft_cap(s, scoring.softcap) * LOG2E
-    if ALIBI:
-        s += query.alibi_slope_log2[:, None] * (k_pos[None, :] - query.pos[:, None]).to(tl.float32)
-    return s
+    as log2-domain logits (:func:`scale_logits`)."""
+    s = tl.dot(query.q, k, input_precision=DOT_PRECISION)
+    return scale_logits(s, k_pos, query.pos, query.alibi_slope_log2, scoring.qk_scale, scoring.softcap, SOFTCAP,
+                        ALIBI)
 
 
 @triton.jit
@@ -258,18 +314,35 @@ def visible(q_pos, k_pos, k_valid, window, CAUSAL: tl.constexpr, WINDOW: tl.cons
 
 
 @triton.jit
-def online_softmax_step(s, v, state, DOT_PRECISION: tl.constexpr):
-    """Fold one tile of log2 logits ``s`` and values ``v`` into the running ``state`` ``(acc, max, sum)``;
-    unnormalised.
+def softmax_step(s, m_i, l_i, qk_scale, SCALE_IN_EXP: tl.constexpr = False):
+    """One online-softmax step on a tile of log2 logits ``s`` (:func:`scale_logits`): ``(p, alpha, m, l)``, the
+    unnormalised probabilities, the factor the accumulator is rescaled by, and the running max and sum.
 
-    Rows whose logits so far are all ``-inf`` keep ``m = -inf`` and contribute nothing (no NaN).
+    ``SCALE_IN_EXP``: ``s`` holds raw scores and ``qk_scale`` (positive) is applied here: each row's maximum is
+    taken on the raw scores and scaled once (the same maximum), and each key's scale and subtraction of the
+    maximum are one fused multiply-add. Rows whose logits so far are all ``-inf`` keep ``m = -inf`` and
+    contribute nothing (no NaN; a masked key's ``-inf * scale - m`` stays ``-inf``).
     """
-    acc, m_i, l_i = state
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    row_max = tl.max(s, 1)
+    if SCALE_IN_EXP:
+        row_max = row_max * qk_scale
+    m_new = tl.maximum(m_i, row_max)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
+    if SCALE_IN_EXP:
+        p = tl.exp2(s * qk_scale - m_use[:, None])
+    else:
+        p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def online_softmax_step(s, v, state, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of log2 logits ``s`` and values ``v`` into the running ``state`` ``(acc, max, sum)``;
+    unnormalised (:func:`softmax_step`)."""
+    acc, m_i, l_i = state
+    p, alpha, m_new, l_i = softmax_step(s, m_i, l_i, 1.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 

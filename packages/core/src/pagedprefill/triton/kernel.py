@@ -34,6 +34,7 @@ from .blocks import (
     tile_rows,
     tile_sequence,
     visible,
+    visible_keys,
 )
 
 # Groups the kernel builds for its phases (the launcher's groups are in :mod:`.arguments`).
@@ -180,30 +181,10 @@ def prefix_prefill_kernel(
     state = (acc, m_i, l_i)
 
     tok_last = tl.minimum(tok0 + TOKENS_PER_TILE, q_len) - 1
-    pos_first = ctx_len + tok0
-    pos_last = ctx_len + tok_last
-    # Lowest key any row of the tile sees; with a window, keys below it are skipped entirely.
-    lo = 0
-    if WINDOW:
-        lo = tl.maximum(pos_first - window + 1, 0)
-    # Keys every row sees (no window mask needed) start here:
-    full_from = 0
-    if WINDOW:
-        full_from = tl.maximum(pos_last - window + 1, 0)
-
-    # Cached phase. With the new tokens' K/V already written to the cache it covers them too (causally).
-    if NEW_KV_IN_CACHE:
-        kv_len = ctx_len + q_len
-        if CAUSAL:
-            c_end = pos_last + 1
-            full_to = pos_first + 1
-        else:
-            c_end = kv_len
-            full_to = kv_len
-    else:
-        kv_len = ctx_len
-        c_end = ctx_len
-        full_to = ctx_len
+    # Keys below lo are never visited (the window); every row sees those from full_from on without a window
+    # mask. The cached phase covers the new tokens too when their K/V are in the cache already (causally).
+    lo, full_from, c_end, full_to, kv_len = visible_keys(ctx_len, q_len, tok0, tok_last, window, CAUSAL, WINDOW,
+                                                         NEW_KV_IN_CACHE)
     table_row = cache.block_table + seq.to(tl.int64) * cache_strides.table.seq
     table_width, num_blocks = extents.table_width, extents.num_blocks
     if LAYOUT.PAGEWISE:
