@@ -105,6 +105,33 @@ def _scale_arg(scale, used: bool) -> tuple[float, bool]:
     return float(scale), False
 
 
+def call_features(p: PrefillProblem) -> Features:
+    """The optional parts of the computation a call compiles in (every kernel's ``FEATURES`` constexpr)."""
+    o = p.options
+    return Features(CAUSAL=o.causal, WINDOW=o.sliding_window is not None, SOFTCAP=o.softcap > 0,
+                    ALIBI=o.alibi_slopes is not None, SINKS=o.sinks is not None, SKIP_DECODE=o.skip_decode,
+                    NEW_KV_IN_CACHE=p.k is None, OUT_SCALE=o.fp8_out_scale is not None)
+
+
+def scale_arguments(p: PrefillProblem) -> tuple[Scales, ScaleFromTensor]:
+    """The call's scales as numbers (1.0 where a tensor holds one, or where it is unused) and which of them the
+    kernel reads from :class:`~.arguments.ScaleTensors` instead (on the device: no host synchronisation)."""
+    fp8 = p.cache.dtype.is_fp8
+    k_scale, k_from_tensor = _scale_arg(p.cache.k_scale, fp8)
+    v_scale, v_from_tensor = _scale_arg(p.cache.v_scale, fp8)
+    out_scale, out_from_tensor = _scale_arg(p.options.fp8_out_scale, True)
+    return (Scales(p.sm_scale, k_scale, v_scale, out_scale),
+            ScaleFromTensor(k_from_tensor, v_from_tensor, out_from_tensor))
+
+
+def call_extents(p: PrefillProblem) -> Extents:
+    """The sizes that bound every index of a call (:class:`~.arguments.Extents`)."""
+    T, H, _ = p.q.shape
+    c = p.cache
+    return Extents(p.batch.num_seqs, T, c.num_blocks, p.batch.block_table.shape[1], c.block_size,
+                   H // p.num_kv_heads)
+
+
 def dot_precision(dtype: torch.dtype, config: TileConfig) -> str:
     """The ``input_precision`` both dots run at for inputs of ``dtype``: the policy's ``fp32_dot`` for
     float32; 16-bit inputs multiply exactly (``"ieee"``), whatever the policy says about float32."""
@@ -178,18 +205,13 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: Optional[Pro
         shape = problem_shape(p)
     group = H // p.num_kv_heads
     cache, cache_strides, layout = _cache_addressing(p, config)
-    fp8 = p.cache.dtype.is_fp8
-    k_scale, k_from_tensor = _scale_arg(p.cache.k_scale, fp8)
-    v_scale, v_from_tensor = _scale_arg(p.cache.v_scale, fp8)
+    scales, scale_from_tensor = scale_arguments(p)
     opts = p.options
     window = opts.sliding_window  # None: no window (the kernel's int argument is then unused; 0 is passed)
-    out_scale = opts.fp8_out_scale
-    out_scale_value, out_from_tensor = _scale_arg(out_scale, True)
     tokens, _, batch, per_head, scale_tensors = call_tensors(p)
     tensors = (Tokens(*tokens), cache, Batch(*batch), PerHead(*per_head), ScaleTensors(*scale_tensors))
     scalars = (
-        Scales(p.sm_scale, k_scale, v_scale, out_scale_value), float(opts.softcap), window or 0,
-        Extents(B, T, p.cache.num_blocks, cache.block_table.shape[1], p.cache.block_size, group),
+        scales, float(opts.softcap), window or 0, call_extents(p),
         TokenStrides(_row_strides(q), _row_strides(p.k), _row_strides(p.v), _row_strides(p.out)),
         cache_strides,
     )
@@ -197,15 +219,17 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: Optional[Pro
         HEAD_SIZE=D, HEAD_SIZE_PADDED=padded_head_size(D),
         TILE=Tile(config.block_m, config.block_n, config.heads_per_tile, triton.cdiv(group, config.heads_per_tile),
                   config.split_masks, dot_precision(q.dtype, config)),
-        LAYOUT=layout,
-        FEATURES=Features(
-            CAUSAL=opts.causal, WINDOW=window is not None, SOFTCAP=opts.softcap > 0,
-            ALIBI=opts.alibi_slopes is not None, SINKS=opts.sinks is not None, SKIP_DECODE=opts.skip_decode,
-            NEW_KV_IN_CACHE=p.k is None, OUT_SCALE=out_scale is not None),
-        SCALE_FROM_TENSOR=ScaleFromTensor(k_from_tensor, v_from_tensor, out_from_tensor),
+        LAYOUT=layout, FEATURES=call_features(p), SCALE_FROM_TENSOR=scale_from_tensor,
     )
     options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
     return KernelCall(launch_grid(shape, config), tensors, scalars, constexprs, options)
+
+
+def jit_launch(kernel: Any, call: KernelCall, device: torch.device):
+    """Launch ``call`` of ``kernel`` through Triton's JIT (binding every argument, compiling on first use) on
+    ``device``, whatever the current device is; Triton's compiled-kernel handle."""
+    with device_guard(device):
+        return kernel[call.grid](*call.args, **call.kwargs)
 
 
 def launch_prefill(problem: PrefillProblem, config: TileConfig, shape: Optional[ProblemShape] = None):
@@ -217,8 +241,7 @@ def launch_prefill(problem: PrefillProblem, config: TileConfig, shape: Optional[
     call = kernel_call(problem, config, shape)
     if call is None:
         return None
-    with device_guard(problem.q.device):
-        return prefix_prefill_kernel[call.grid](*call.args, **call.kwargs)
+    return jit_launch(prefix_prefill_kernel, call, problem.q.device)
 
 
 def _launches_hooked() -> bool:
@@ -268,6 +291,11 @@ class BoundLaunch:
         self._device_index = device.index if device.index is not None else torch.cuda.current_device()
         self._stream = driver.active.get_current_stream
 
+    @property
+    def launcher(self) -> Callable[..., None]:
+        """What launches the compiled kernel: Triton's launcher, or the ``run`` it was given."""
+        return self._run
+
     def __call__(self, tensors: tuple) -> bool:
         """Launch with ``tensors`` (:func:`call_tensors` of a problem with this signature) on the current
         stream of the device it was compiled for; False, launching nothing, when that is not possible."""
@@ -283,16 +311,24 @@ class BoundLaunch:
         return True
 
 
+def bind(kernel: Any, call: KernelCall, device: torch.device,
+         launcher: Optional[Callable[[Any], Optional[Callable[..., None]]]] = None) -> tuple[Any, Optional[BoundLaunch]]:
+    """Launch ``call`` of ``kernel`` through Triton's JIT and bind the compiled kernel for later calls with the
+    same signature: ``(compiled, bound)``, ``bound`` None where no GPU driver launches directly (the interpreter
+    and other drivers keep the JIT path). ``launcher(compiled)``, when given, returns a stand-in for Triton's
+    launcher of ``compiled`` (or None to keep Triton's)."""
+    compiled = jit_launch(kernel, call, device)
+    if device.type != "cuda" or not hasattr(compiled, "packed_metadata"):
+        return compiled, None
+    run = launcher(compiled) if launcher is not None else None
+    return compiled, BoundLaunch(compiled, call, device, kernel=kernel, run=run)
+
+
 def bind_launch(problem: PrefillProblem, config: TileConfig, shape: Optional[ProblemShape] = None
                 ) -> Optional[BoundLaunch]:
-    """Launch ``problem`` through Triton's JIT (compiling on first use) and return a :class:`BoundLaunch` for
+    """Launch ``problem`` on the portable kernel (compiling on first use) and return a :class:`BoundLaunch` for
     later calls with the same signature; None when there was nothing to launch or no GPU driver runs it."""
     call = kernel_call(problem, config, shape)
     if call is None:
         return None
-    device = problem.q.device
-    with device_guard(device):
-        compiled = prefix_prefill_kernel[call.grid](*call.args, **call.kwargs)
-    if device.type != "cuda" or not hasattr(compiled, "packed_metadata"):
-        return None  # the interpreter and other drivers keep the JIT path
-    return BoundLaunch(compiled, call, device)
+    return bind(prefix_prefill_kernel, call, problem.q.device)[1]
