@@ -27,7 +27,7 @@ from typing import Optional, Protocol, runtime_checkable
 import torch
 
 from .device import DeviceInfo
-from .types import PrefillProblem
+from .types import KVCacheDType, KVLayout, PrefillProblem
 
 
 def next_power_of_2(n: int) -> int:
@@ -53,12 +53,17 @@ class ProblemShape:
     num_heads: int
     num_kv_heads: int
     dtype: torch.dtype
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO
     block_size: int = 16
     num_tokens: int = 0
     num_seqs: int = 1
     max_query_len: Optional[int] = None
-    layout: str = "nhd"
+    layout: KVLayout = KVLayout.NHD
+
+    def __post_init__(self) -> None:
+        # Spellings are accepted ("fp8_e4m3", "split"); the shape holds the enums, which compare equal to them.
+        object.__setattr__(self, "kv_cache_dtype", KVCacheDType.parse(self.kv_cache_dtype))
+        object.__setattr__(self, "layout", KVLayout(self.layout))
 
     @property
     def group_size(self) -> int:
@@ -229,10 +234,10 @@ def problem_shape(problem: PrefillProblem) -> ProblemShape:
         num_heads=problem.num_heads,
         num_kv_heads=problem.num_kv_heads,
         dtype=problem.q.dtype,
-        kv_cache_dtype=problem.cache.dtype.value,
+        kv_cache_dtype=problem.cache.dtype,
         block_size=problem.cache.block_size,
         num_tokens=problem.num_tokens,
         num_seqs=problem.batch.num_seqs,
         max_query_len=problem.batch.max_query_len,
-        layout=problem.cache.layout.value,
+        layout=problem.cache.layout,
     )

@@ -37,7 +37,7 @@ _DTYPE_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float3
 
 def table_key(shape: ProblemShape, device: DeviceInfo) -> str:
     dtype = _DTYPE_NAMES.get(str(shape.dtype), str(shape.dtype))
-    kv = "auto" if shape.kv_cache_dtype == "auto" else "fp8"
+    kv = "fp8" if shape.kv_cache_dtype.is_fp8 else "auto"
     cap = f"{device.capability[0]}.{device.capability[1]}"
     return f"{cap}|d{shape.head_size_padded}|{dtype}|{kv}|{shape.workload}|{shape.layout}"
 

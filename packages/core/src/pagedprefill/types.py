@@ -42,6 +42,11 @@ class KVLayout(str, enum.Enum):
     SPLIT = "split"
     NHD = "nhd"
 
+    def __str__(self) -> str:  # the spelling callers write, in messages and table keys
+        return self.value
+
+    __format__ = str.__format__
+
 
 class KVCacheDType(str, enum.Enum):
     """How cache elements are stored: in the model dtype, or as FP8 bytes (``uint8``) with a scale."""
@@ -49,6 +54,11 @@ class KVCacheDType(str, enum.Enum):
     AUTO = "auto"
     FP8_E4M3 = "fp8_e4m3"
     FP8_E5M2 = "fp8_e5m2"
+
+    def __str__(self) -> str:  # the spelling callers write, in messages and table keys
+        return self.value
+
+    __format__ = str.__format__
 
     @classmethod
     def parse(cls, value: Union[str, KVCacheDType]) -> KVCacheDType:
