@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -101,13 +101,24 @@ class DeviceInfo:
     def detect(cls, device: DeviceLike = None) -> DeviceInfo:
         """Describe ``device`` (default: the current accelerator if there is one, else the CPU).
 
-        Asks the installed backends' ``pagedprefill_detect_device`` hooks through the process-wide registry.
+        Asks the installed backends' ``pagedprefill_detect_device`` hooks, through the detection the dispatch
+        layer installs when the package is imported (:func:`install_detection`).
         """
-        # Deferred: the process-wide registry sits layers above this module and imports it (a value type every
-        # layer uses); the lookup is needed only when a description is read from the runtime.
-        from .runtime import get_registry
+        if _detection is None:
+            raise RuntimeError("device detection: no detection is installed; import pagedprefill first")
+        return _detection(normalise(device))
 
-        return get_registry().detect_device(normalise(device))
+
+#: How :meth:`DeviceInfo.detect` describes a device: set by the layer that holds the backends' detection hooks
+#: (the process-wide registry), which imports this module; this one imports nothing above it.
+_detection: Optional[Callable[[torch.device], DeviceInfo]] = None
+
+
+def install_detection(detect: Callable[[torch.device], DeviceInfo]) -> None:
+    """Make :meth:`DeviceInfo.detect` answer through ``detect`` (a device with its index filled in -> its
+    description)."""
+    global _detection
+    _detection = detect
 
 
 def normalise(device: DeviceLike) -> torch.device:

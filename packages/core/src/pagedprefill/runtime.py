@@ -15,7 +15,7 @@ from typing import Optional, Union
 import torch
 
 from . import plans
-from .device import DeviceInfo, DeviceLike
+from .device import DeviceInfo, DeviceLike, install_detection
 from .features import check_runnable
 from .registry import Backend, Registry
 from .types import PrefillProblem
@@ -39,6 +39,14 @@ def get_registry() -> Registry:
 
                 _registry = Registry(builtins=[reference])
     return _registry
+
+
+def _detect(device: torch.device) -> DeviceInfo:
+    return get_registry().detect_device(device)
+
+
+# DeviceInfo.detect asks the process-wide registry's detection hooks (the device module sits below this one).
+install_detection(_detect)
 
 
 def reset_registry() -> None:
