@@ -4,12 +4,18 @@ A refactor of the Hopper kernel (or of the building blocks it shares with core) 
 compiles to. This compiles each route's kernel ahead of time for sm90 (no GPU needed), reads its SASS with the
 ``nvdisasm`` that ships with Triton (PTX where that is absent), and records the multiset of instructions: the
 opcode with its modifiers, operands left out (register numbers and labels move with any edit). ``--compare``
-reads a file written by an earlier run and lists every route whose multiset changed, with the difference.
+reads a file written by an earlier run and lists every route whose multiset changed, with the difference;
+by default with the kernel's parameter loads counted in words and its ``NOP`` padding left out, which move when
+only the order or grouping of its parameters does (``--exact`` compares every instruction).
 
 Routes: each cache layout, head size the kernel is built for, cache dtype and workload class (short calls and
 long ones), plus one route per optional feature on the prefix-cached shape (the serving engine's call with
 every key in the cache, a window, softcap, ALiBi, sinks, a non-causal call, an FP8 output, skip_decode) and an
 fp16 call.
+
+``--kernel portable`` does the same for core's portable kernel on those routes (what the H200 runs when the
+Hopper kernel is not chosen, and every other GPU); ``--device a100`` compiles them for sm80 with that
+device's tiles.
 
 Usage::
 
@@ -51,6 +57,8 @@ FEATURES = {
     "skip-decode": dict(skip_decode=True),
     "fp16": dict(dtype=torch.float16),
 }
+#: Described devices the routes are compiled for, by name, with their compute capability.
+DEVICES = {"h200": 90, "a100": 80}
 QUICK = ("nhd/128/auto/long", "split/128/auto/long", "nhd/128/auto/short", "split/128/auto/short",
          "nhd/128/fp8_e4m3/long", "split/128/fp8_e4m3/long")
 
@@ -92,29 +100,47 @@ def instructions(text: str, is_sass: bool) -> Counter:
     return found
 
 
-def fingerprint(spec: BatchSpec, log=print) -> dict:
-    device = described_devices()["h200"]
+def fingerprint(spec: BatchSpec, device_name: str = "h200") -> dict:
+    device = described_devices()[device_name]
     backend = select_backend(device)
     shape = spec_shape(spec, twin(spec))
     config = backend.tile_config(shape, device)
     row = {"tile": config.to_dict()}
-    if config.kernel != "hopper":
-        row["kernel"] = config.kernel
-        return row
     problem = make_problem(twin(spec))
-    compiled = backend.compile_for_target(problem, config, 90)
+    compiled = backend.compile_for_target(problem, config, DEVICES[device_name])
     listing = sass(compiled)
     is_sass = listing is not None
-    row.update(kernel="hopper", listing="sass" if is_sass else "ptx",
+    row.update(kernel=config.kernel, listing="sass" if is_sass else "ptx",
                instructions=dict(sorted(instructions(listing if is_sass else compiled.asm["ptx"], is_sass).items())))
     return row
 
 
-def difference(before: dict, after: dict) -> str:
-    """What changed between two routes' rows, in one line ('' when nothing did)."""
+#: Loads of kernel parameters from the constant bank, by the 32-bit words each moves.
+PARAMETER_LOADS = {"LDC": 1, "ULDC": 1, "LDC.64": 2, "ULDC.64": 2, "LDC.128": 4}
+
+
+def normalised(instructions: dict) -> Counter:
+    """The multiset with what a kernel's parameter list alone decides folded away: parameter loads counted in
+    32-bit words (``ptxas`` pairs two neighbouring parameters into one 64-bit load only when the first sits at a
+    multiple of 8 bytes) and no ``NOP`` (alignment padding, which moves with the code before it)."""
+    out = Counter()
+    for op, n in instructions.items():
+        if op in PARAMETER_LOADS:
+            out["(parameter words loaded)"] += n * PARAMETER_LOADS[op]
+        elif op != "NOP":
+            out[op] += n
+    return out
+
+
+def difference(before: dict, after: dict, exact: bool = False) -> str:
+    """What changed between two routes' rows, in one line ('' when nothing did): the :func:`normalised`
+    multisets, or with ``exact`` every instruction."""
     if before.get("tile") != after.get("tile") or before.get("kernel") != after.get("kernel"):
-        return f"tile or kernel {before.get('kernel')} {before.get('tile')} -> {after.get('kernel')} {after.get('tile')}"
+        return (f"tile or kernel {before.get('kernel')} {before.get('tile')} -> "
+                f"{after.get('kernel')} {after.get('tile')}")
     a, b = Counter(before.get("instructions", {})), Counter(after.get("instructions", {}))
+    if not exact:
+        a, b = normalised(a), normalised(b)
     if a == b:
         return ""
     changed = sorted(set(a) | set(b), key=lambda op: -abs(b[op] - a[op]))
@@ -127,7 +153,14 @@ def main(argv=None) -> int:
     parser.add_argument("--compare", metavar="PATH", help="compare with fingerprints written earlier")
     parser.add_argument("--quick", action="store_true", help="only the routes of the bench's headline rows")
     parser.add_argument("--only", metavar="TEXT", help="only routes whose name contains TEXT")
+    parser.add_argument("--exact", action="store_true",
+                        help="compare every instruction, parameter loads and NOP padding included")
+    parser.add_argument("--kernel", choices=("auto", "hopper", "portable"), default="auto",
+                        help="sm80's kernel choice (PAGEDPREFILL_SM80_KERNEL): portable fingerprints core's kernel")
+    parser.add_argument("--device", choices=sorted(DEVICES), default="h200",
+                        help="the described device whose policy picks the tiles, compiled for its capability")
     args = parser.parse_args(argv)
+    os.environ["PAGEDPREFILL_SM80_KERNEL"] = args.kernel
     before = json.load(open(args.compare)) if args.compare else None
     rows, changed = {}, []
     for name, spec in routes(args.quick).items():
@@ -135,7 +168,7 @@ def main(argv=None) -> int:
             continue
         started = time.perf_counter()
         try:
-            rows[name] = fingerprint(spec)
+            rows[name] = fingerprint(spec, args.device)
         except Exception as exc:  # a route that does not compile is a finding, not a crash of the report
             rows[name] = {"error": str(exc).strip().splitlines()[-1][:200]}
         row = rows[name]
@@ -144,7 +177,10 @@ def main(argv=None) -> int:
             if name not in before:
                 status += "; not in the earlier file"
             else:
-                diff = difference(before[name], row) if "error" not in row else row["error"]
+                if "error" in row or "error" in before[name]:  # a route this target cannot compile, before too
+                    diff = "" if row.get("error") == before[name].get("error") else row.get("error", "compiles now")
+                else:
+                    diff = difference(before[name], row, args.exact)
                 status += "; same" if not diff else f"; CHANGED: {diff}"
                 if diff:
                     changed.append(name)

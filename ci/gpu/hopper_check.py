@@ -197,7 +197,8 @@ def timings(info, backend, reps: int, quick: bool, block_size: int = 0, only: tu
     ``part`` = (i, n): only every n-th (workload, layout) pair from the i-th on. ``compile_only``: launch each
     plan once and time nothing (for :func:`warm_compiles`, which fills Triton's cache side by side)."""
     from pagedprefill.backends.triton_base import problem_shape
-    from pagedprefill_sm80.hopper.launch import bind_hopper, shared_bytes
+    from pagedprefill_sm80.hopper.launch import bind_hopper
+    from pagedprefill_sm80.hopper.schedule import shared_bytes
     from pagedprefill_sm80.policy import hopper_config, hopper_unfit_reason
 
     ref = get_registry().get("reference")
@@ -323,20 +324,22 @@ def main(argv=None) -> int:
         parser.error(f"--variants: unknown {', '.join(sorted(set(wanted) - set(labels)))}; "
                      f"expected labels of {', '.join(labels)}")
     variants = [v for v in VARIANTS if not wanted or v[0] in wanted]
-    from pagedprefill_sm80.hopper import launch
+    from pagedprefill_sm80.hopper import schedule
 
     try:
-        launch.parse_schedule(args.schedule)
+        schedule.parse(args.schedule)
     except ValueError as exc:
         parser.error(f"--schedule: {exc}")
     # Through the environment: over the policy's flags for each route, as PAGEDPREFILL_SM80_SCHEDULE is.
     if args.schedule:
-        os.environ[launch.SCHEDULE_ENV] = ",".join(filter(None, (os.environ.get(launch.SCHEDULE_ENV), args.schedule)))
+        earlier = os.environ.get(schedule.SCHEDULE_ENV)
+        os.environ[schedule.SCHEDULE_ENV] = ",".join(filter(None, (earlier, args.schedule)))
     os.environ[KERNEL_ENV] = "hopper"
     info = DeviceInfo.detect(torch.device("cuda"))
     backend = get_registry().get("sm80")
-    print(info.describe(), "torch", torch.__version__, "schedule", launch.SCHEDULE, "over which",
-          launch.SCHEDULE_ENV, repr(os.environ.get(launch.SCHEDULE_ENV, "")), "and the policy's per route", flush=True)
+    print(info.describe(), "torch", torch.__version__, "schedule", schedule.DEFAULTS, "over which",
+          schedule.SCHEDULE_ENV, repr(os.environ.get(schedule.SCHEDULE_ENV, "")), "and the policy's per route",
+          flush=True)
     started = time.time()
     rows = [] if args.no_correctness else check(info, backend)
     print(f"\ncorrectness ({time.time() - started:.0f} s): case | kernel | max abs err | "

@@ -35,9 +35,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 #: Upward imports inside a function: (importer, imported) -> why the importer needs it.
-DEFERRED = {
-    ("device", "runtime"): "DeviceInfo.detect asks the process-wide registry's detection hooks",
-}
+DEFERRED: dict = {}
 
 
 def module_names(root: Path = ROOT) -> list[str]:
@@ -62,7 +60,8 @@ def layer_of(module: str, layers=LAYERS) -> int:
     raise KeyError(module)
 
 
-def imports_of(module: str, source: str, modules: set[str], is_package: bool = False) -> list[tuple[str, bool]]:
+def imports_of(module: str, source: str, modules: set[str], is_package: bool = False,
+               package_name: str = PACKAGE) -> list[tuple[str, bool]]:
     """``(imported module, deferred)`` for each import of the package in ``source`` (the text of ``module``,
     an ``__init__`` when ``is_package``); deferred when the import sits inside a function. The enclosing
     packages of an imported module count too (importing it runs them), all but those holding ``module``
@@ -84,10 +83,10 @@ def imports_of(module: str, source: str, modules: set[str], is_package: bool = F
             inner = deferred or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
             if isinstance(child, ast.Import):
                 for alias in child.names:
-                    if alias.name == PACKAGE or alias.name.startswith(PACKAGE + "."):
-                        add(alias.name[len(PACKAGE) + 1:], inner)
+                    if alias.name == package_name or alias.name.startswith(package_name + "."):
+                        add(alias.name[len(package_name) + 1:], inner)
             elif isinstance(child, ast.ImportFrom):
-                base = _resolve(module, is_package, child.module, child.level)
+                base = _resolve(module, is_package, child.module, child.level, package_name)
                 if base is None:
                     continue
                 for alias in child.names:
@@ -99,11 +98,11 @@ def imports_of(module: str, source: str, modules: set[str], is_package: bool = F
     return [(target, deferred) for target, deferred in dict.fromkeys(found) if target != module]
 
 
-def _resolve(module: str, is_package: bool, name, level: int):
+def _resolve(module: str, is_package: bool, name, level: int, package_name: str = PACKAGE):
     """The module an ``ImportFrom`` names, relative to the package, or None when it is outside it."""
     if level == 0:
-        if name == PACKAGE or (name or "").startswith(PACKAGE + "."):
-            return name[len(PACKAGE) + 1:]
+        if name == package_name or (name or "").startswith(package_name + "."):
+            return name[len(package_name) + 1:]
         return None
     parts = module.split(".") if module else []
     if not is_package:
@@ -160,7 +159,7 @@ def _cycles(graph: dict[str, list[tuple[str, bool]]]) -> list[list[str]]:
     return cycles
 
 
-def package_graph(root: Path = ROOT) -> dict[str, list[tuple[str, bool]]]:
+def package_graph(root: Path = ROOT, package_name: str = PACKAGE) -> dict[str, list[tuple[str, bool]]]:
     """The package's modules, each with its imports of the package (:func:`imports_of`)."""
     modules = set(module_names(root))
     graph = {}
@@ -168,8 +167,30 @@ def package_graph(root: Path = ROOT) -> dict[str, list[tuple[str, bool]]]:
         path = root.joinpath(*name.split(".")) if name else root
         is_package = path.is_dir()
         source = (path / "__init__.py" if is_package else path.with_suffix(".py")).read_text()
-        graph[name] = imports_of(name, source, modules, is_package)
+        graph[name] = imports_of(name, source, modules, is_package, package_name)
     return graph
+
+
+#: The sm80 backend's layers, lowest first (``hopper`` is a package without imports): what its kernel is
+#: compiled with (Triton-free, read by the policy and the launcher alike), the Gluon kernel in its parts, the
+#: policy that decides, the launcher that executes, and the backend that holds them.
+SM80_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("schedule", ("hopper", "hopper.arguments", "hopper.schedule")),
+    ("kernel", ("hopper.state", "hopper.loads", "hopper.epilogue", "hopper.consumer", "hopper.producer",
+                "hopper.kernel", "hopper.encoded")),
+    ("policy", ("policy",)),
+    ("launcher", ("hopper.launch",)),
+    ("backend", ("backend", "plugin", "")),
+)
+
+
+def test_the_sm80_backend_has_layers_and_no_import_circle():
+    sm80 = pytest.importorskip("pagedprefill_sm80", reason="the sm80 backend is not installed")
+    root = Path(sm80.__file__).parent
+    graph = package_graph(root, "pagedprefill_sm80")
+    assert violations(graph, SM80_LAYERS, {}) == []
+    # The policy decides without the launcher or Triton: not even inside a function.
+    assert not [target for target, _ in graph["policy"] if target in ("hopper.launch", "hopper.kernel")]
 
 
 def test_no_module_imports_a_higher_layer():

@@ -11,6 +11,7 @@ from pagedprefill.tiling import ProblemShape, TileConfig
 from pagedprefill.tuning import tables_state
 from pagedprefill.types import PrefillProblem
 
+from .hopper.schedule import shape_unfit_reason
 from .policy import choose_kernel, hopper_schedule, kernel_preference, portable_config, search_space, sm80_policy
 
 MIN_CAPABILITY = (8, 0)
@@ -62,7 +63,7 @@ class Sm80Backend(TritonBackend):
         """The kernel that runs ``problem``: the policy's choice, or the portable kernel when the Hopper
         kernel cannot take the tile it is given (a tile forced from outside the policy) or address these
         tensors (strides a 2-D TMA view needs, 16-byte alignment)."""
-        from .hopper.launch import shape_unfit_reason, unfit_reason
+        from .hopper.launch import unfit_reason
 
         shape = problem_shape(problem)
         config = self.tile_config(shape, device)
@@ -84,7 +85,7 @@ class Sm80Backend(TritonBackend):
         tile the kernel cannot take for this call raises ``ValueError`` with the reason."""
         if config.kernel != "hopper":
             return super().run_tile(problem, config, device)
-        from .hopper.launch import launch_hopper, shape_unfit_reason, unfit_reason
+        from .hopper.launch import launch_hopper, unfit_reason
 
         shape = problem_shape(problem)
         reason = shape_unfit_reason(shape, config, device.max_shared_mem) or unfit_reason(problem, config)

@@ -11,7 +11,7 @@ Lookup order for a problem key (see :func:`pagedprefill.tuning.table_key`):
 
 Every portable tile goes through :func:`pagedprefill.tiling.shrink_to_fit` against the device's shared memory,
 so sm80 (163 KiB), sm86/sm89 (99 KiB) and sm90 (227 KiB) parts all get tiles they can hold; a Hopper tile is
-checked against that kernel's own model instead (:func:`pagedprefill_sm80.hopper.launch.shared_bytes`).
+checked against that kernel's own model instead (:func:`pagedprefill_sm80.hopper.schedule.shared_bytes`).
 
 Which kernel runs the tile (:func:`choose_kernel`): on sm90, the warp-specialised Hopper kernel
 (:mod:`pagedprefill_sm80.hopper`) for the shapes it takes and was measured faster on (``auto``, the
@@ -31,93 +31,39 @@ from typing import Optional
 from pagedprefill.device import DeviceInfo
 from pagedprefill.tiling import ProblemShape, TileConfig, settle, shrink_to_fit
 from pagedprefill.tuning import load_table, lookup, table_key, user_table_path
+from pagedprefill.types import KVCacheDType, KVLayout
+
+from .hopper.schedule import FP8_CACHES, route_flags, shape_unfit_reason
 
 #: Environment variable that picks the kernel on sm90: ``auto`` (the policy's choice), ``hopper`` or ``portable``.
 KERNEL_ENV = "PAGEDPREFILL_SM80_KERNEL"
 KERNEL_CHOICES = ("auto", "hopper", "portable")
-#: Whether ``auto`` picks the Hopper kernel where it fits and measured faster (:data:`HOPPER_WINS`). On since
-#: 2026-12-01: on an H200 the three backends' conformance suites passed with it forced (721 passed, 0 failed),
-#: and it was faster than the portable kernel on every bench row it takes but one (docs/performance.md, run 5).
+#: Whether ``auto`` picks the Hopper kernel where it fits and measured faster (:data:`HOPPER_WINS`): on an H200
+#: the three backends' conformance suites pass with it forced, and it is faster than the portable kernel on
+#: the bench rows it takes (docs/performance.md).
 HOPPER_BY_DEFAULT = True
 #: ``(head size, cache dtype)`` pairs on which ``auto`` picks it: where it beat the portable kernel on the H200,
-#: same data, same run (docs/performance.md, run 5, ping-pong schedule; run 6 with the present tiles: 1.10-1.52 x
-#: over the same pairs and layouts, 1.33 x at head size 256). Head size 128 with a cache in the input
-#: dtype: 1.17-1.45 x on NHD, 1.23-1.50 x on the split layout; 64: 1.03 x (NHD) and 1.15 x (split); 96: 1.44 x
-#: (NHD) and 1.39 x (split, run 8: 308.4 vs 221.2 TFLOP/s); 256: 1.05 x (NHD) and 1.19 x (split, run 8: 339.7
-#: vs 286.0). An FP8 e4m3 cache at head size 128 (NHD) since run 7, with the producer widening each tile once
-#: (``PRODUCER_WIDENS``): 1.19 x with 128 keys per step (run 8: 305.2 vs 256.2; 64 keys: 266.8); in the split
-#: layout since run 9, 64 keys per step: 1.15 x (248.6 vs 215.5; 3 stages 250.0, within the rounds). The other
-#: FP8 pairs since run 15 (the FP8 prefix-cached row at their head size and format, NHD / split): e4m3 at head
-#: size 64 1.18 / 1.19 x (311.5 / 282.4 vs 264.8 / 236.4), at 96 1.83 / 1.45 x; e5m2 at 64 1.13 / 1.07 x, at 96
-#: 1.58 / 1.34 x, at 128 1.57 / 1.54 x (458.8 / 375.2 vs 291.5 / 243.9).
+#: same data, same run: at head size 128 with a cache in the input dtype 1.17-1.45 x on NHD and 1.23-1.50 x on
+#: the split layout; 64: 1.03 x (NHD) and 1.15 x (split); 96: 1.44 x and 1.39 x; 256: 1.05 x and 1.19 x. FP8
+#: caches, with the producer widening each tile once (the FP8 prefix-cached row, NHD / split): e4m3 at head size
+#: 64 1.18 / 1.19 x, at 96 1.83 / 1.45 x, at 128 1.19 / 1.15 x; e5m2 at 64 1.13 / 1.07 x, at 96 1.58 / 1.34 x, at
+#: 128 1.57 / 1.54 x.
 #: ``(layout, head size, cache dtype)`` routes the Hopper kernel is built for but ``auto`` does not take yet,
 #: whatever :data:`HOPPER_WINS` says, because they have not yet passed the suites on a GPU
-#: (``PAGEDPREFILL_SM80_KERNEL=hopper`` runs them). Empty since run 9: the split layout's head sizes 96 and 256
-#: left it in run 8; its FP8 cache (keys and V^T values by 16-byte copies into the FP8 ring, widened by the
-#: producer) passed the suites on the H200 and ran 248.6 vs 215.5 TFLOP/s on the portable kernel (1.15 x).
+#: (``PAGEDPREFILL_SM80_KERNEL=hopper`` runs them). Empty: every route has.
 UNVERIFIED: frozenset = frozenset()
-HOPPER_WINS = frozenset({(64, "auto"), (96, "auto"), (128, "auto"), (256, "auto"),
-                         *((head_size, cache) for head_size in (64, 96, 128) for cache in ("fp8_e4m3", "fp8_e5m2"))})
+HOPPER_WINS = frozenset({*((head_size, KVCacheDType.AUTO) for head_size in (64, 96, 128, 256)),
+                         *((head_size, cache) for head_size in (64, 96, 128) for cache in FP8_CACHES)})
 
 
-#: Head sizes at which the split layout's 16-bit cache is read by the Hopper kernel's ``KEY_LOADS`` and
-#: ``VALUES_FIRST`` schedule on every tile (:func:`hopper_schedule`) ...
-KEY_LOAD_HEAD_SIZES = (128, 256)
-#: ... and at which it is on tiles of more than 64 keys only, where the loads take 64 keys per chunk
-#: (``WIDE_KEY_CHUNKS``): 32 keys per chunk were slower than the copies at these head sizes.
-WIDE_KEY_LOAD_HEAD_SIZES = (64, 96)
 #: Head sizes at which the split layout's short calls of a 16-bit cache take 128-key tiles, like its long ones.
 WIDE_SHORT_SPLIT_HEAD_SIZES = (64, 96, 128)
-#: Head sizes at which those key loads are issued before their tile's buffer is free (``EARLY_KEYS``): at head
-#: size 256 (32-key tiles) they measured 0.985 x (run 12).
-EARLY_KEY_HEAD_SIZES = (64, 96, 128)
 
 
 def hopper_schedule(shape: ProblemShape, block_n: Optional[int] = None) -> dict:
-    """Schedule flags of the Hopper kernel for calls of ``shape`` on tiles of ``block_n`` keys (by default
-    :func:`hopper_config`'s), over the kernel's defaults (:data:`pagedprefill_sm80.hopper.launch.SCHEDULE`). The
-    launch reads them through :func:`pagedprefill_sm80.hopper.launch.resolve_schedule`, where
-    ``PAGEDPREFILL_SM80_SCHEDULE`` and a caller's own flags override them.
-
-    The split layout with a 16-bit cache reads its cached keys with a producer warpgroup's loads
-    (``KEY_LOADS``) and issues each tile's value boxes first (``VALUES_FIRST``), 64 keys per chunk of loads on
-    tiles of more than 64 keys (``WIDE_KEY_CHUNKS``). On the H200, same data, same run (docs/performance.md):
-
-    * head sizes 128 and 256, 32 keys per chunk: 1.01-1.23 x over the 16-byte copies (run 10);
-    * 64 keys per chunk on 128-key tiles: 1.13 x over 32 on the prefix-cached row, 1.09 x on the chunked one,
-      level on the long prefill (run 11);
-    * head sizes 64 and 96: 32 keys per chunk were 0.89 and 0.98 x the copies (run 10), 64 keys per chunk
-      1.12 and 1.18 x (run 11), so they take the loads on tiles of more than 64 keys only.
-
-    Up to head size 128 the loads are issued before the tile's buffer is free (``EARLY_KEYS``): 1.03-1.09 x on
-    the split rows of run 12 (prefix-cached 460 vs 441, chunked 482 vs 467, many short 372 vs 346, D64 350 vs
-    321, D96 380 vs 368, fp16 446 vs 429), level on the long prefill and the window row.
-
-    Not with an FP8 cache, where the copies were faster (0.82 x, run 10). An FP8 cache's keys and values come by
-    TMA boxes instead of the copies, one box per page for each (``FP8_BOXES``), at head sizes that fill the tile:
-    1.16 x on the FP8 prefix-cached row (365.0 vs 313.9 TFLOP/s), 1.20 x with pages of 32 slots (419.8 vs
-    349.7), level at head size 64 (245.2 vs 245.8; run 14). On tiles of more than 64 keys the producer also widens
-    the cached values into the V ring (``WIDEN_TO_V``), which frees the V^T ring's room for 128 keys in 2 stages:
-    1.03 x over 64 keys without it (374.5 vs 365.1), 1.02 x with pages of 32 slots (420.6 vs 413.2), 1.16 x at
-    head size 64 (282.4 vs 243.1); on 64-key tiles it was 0.94 x (343.8; run 15)."""
-    if shape.layout != "split":
-        return {}
-    block_n = hopper_config(shape).block_n if block_n is None else block_n
-    if shape.kv_cache_dtype != "auto":
-        if shape.head_size != shape.head_size_padded:
-            return {}
-        return dict(FP8_BOXES=True, WIDEN_TO_V=True) if block_n > 64 else dict(FP8_BOXES=True)
-    from .hopper.launch import WIDE_KEY_CHUNK  # imports Triton: only when a policy decides
-
-    wide_chunks = block_n > WIDE_KEY_CHUNK
-    if shape.head_size in KEY_LOAD_HEAD_SIZES or (wide_chunks and shape.head_size in WIDE_KEY_LOAD_HEAD_SIZES):
-        flags = dict(KEY_LOADS=True, VALUES_FIRST=True)
-        if wide_chunks:
-            flags["WIDE_KEY_CHUNKS"] = True
-        if shape.head_size in EARLY_KEY_HEAD_SIZES:
-            flags["EARLY_KEYS"] = True
-        return flags
-    return {}
+    """Schedule flags the policy sets for the Hopper kernel's calls of ``shape`` on tiles of ``block_n`` keys (by
+    default :func:`hopper_config`'s): :func:`pagedprefill_sm80.hopper.schedule.route_flags`."""
+    return route_flags(shape, hopper_config(shape).block_n if block_n is None else block_n)
 
 
 def kernel_preference() -> str:
@@ -152,38 +98,37 @@ def rule_config(shape: ProblemShape, device: DeviceInfo) -> TileConfig:
 
 def hopper_config(shape: ProblemShape) -> TileConfig:
     """The Hopper kernel's tile: 128 rows over two consumer warpgroups, query heads of a KV group packed as in
-    :func:`rule_config`. Keys per step and ring depth, from the H200 timings (docs/performance.md, runs 5-6):
+    :func:`rule_config`. Keys per step and ring depth, from the H200 timings (docs/performance.md):
 
     * head size up to 128, cache in the input dtype, NHD layout or a long prefill: 128 keys per step in a 2-deep
       ring (half the per-step work outside the MMAs: block-table reads, masks, the softmax's row reductions);
     * head size 64 in the NHD layout, long calls: 256 keys per step in a 3-deep ring (208 KiB), the widest
-      warpgroup MMA (1.07 x over 128 keys on the prefix-cached row in run 11; 2 stages 1.05 x);
-    * the split layout's short calls: 64 keys in a 3-deep ring (128 keys were 3.5% slower on its many-short row
-      in run 5; its long calls were level with 128 keys on cached rows and 7.8% faster on the long prefill in
-      run 6); at head sizes 64, 96 and 128 with a 16-bit cache, whose producer loads 128-key tiles in 64-key
-      chunks, 128 keys in a 2-deep ring (the many-short row: 379.8 vs 367.6 TFLOP/s at head size 128 in run 12,
-      both with ``EARLY_KEYS``; 284.6 vs 244.9 at head size 64 and 323.5 vs 278.2 at 96 in run 13);
-    * an FP8 cache: 128 keys in a 2-deep ring, like the input dtype (1.14 x over 64 keys in run 8; 64 keys with
-      a third stage measured level with two in run 7);
+      warpgroup MMA (1.07 x over 128 keys on the prefix-cached row; 2 stages 1.05 x);
+    * the split layout's short calls: 64 keys in a 3-deep ring (128 keys were 3.5% slower on its many-short
+      row); at head sizes 64, 96 and 128 with a 16-bit cache, whose producer loads 128-key tiles in 64-key
+      chunks, 128 keys in a 2-deep ring (the many-short row: 379.8 vs 367.6 TFLOP/s at head size 128, 284.6 vs
+      244.9 at 64, 323.5 vs 278.2 at 96);
+    * an FP8 cache: 128 keys in a 2-deep ring, like the input dtype (1.14 x over 64 keys; 64 keys with a third
+      stage were level with two);
     * head size 256: 64 keys in a 2-deep ring (the accumulator and K/V tiles are twice as large); 32 keys in
       the split layout, whose V^T ring takes the room of a third K/V tile;
     * an FP8 cache in the split layout, long calls at head sizes 64 and 128: 128 keys in a 2-deep ring, its
       cached values widened into the V ring (:func:`hopper_schedule`; 1.03 x over 64 keys beside a V^T ring at
-      head size 128 in run 15, 1.16 x at 64). Its short calls, and head size 96, whose padded head takes the
-      copies: 64 keys in a 2-deep ring (its FP8 ring beside the V^T ring, 161 KiB; 128 keys would take 289 KiB).
-      On the many-short row with an FP8 cache, 128 keys were 0.97 x (315.2 vs 323.8, run 15); at head size 96
-      the copies' producer spills beside the V ring.
+      head size 128, 1.16 x at 64). Its short calls, and head size 96, whose padded head takes the copies: 64
+      keys in a 2-deep ring (its FP8 ring beside the V^T ring, 161 KiB; 128 keys would take 289 KiB). On the
+      many-short row with an FP8 cache, 128 keys were 0.97 x; at head size 96 the copies' producer spills beside
+      the V ring.
     """
     heads = max(1, min(shape.group_size, 4 if shape.workload == "short" else 2))
-    if shape.head_size_padded > 128 and shape.layout == "split":
+    split, fp8 = shape.layout is KVLayout.SPLIT, shape.kv_cache_dtype.is_fp8
+    if shape.head_size_padded > 128 and split:
         block_n, stages = 32, 2  # beside the split layout's own V^T ring (164 KiB)
-    elif shape.head_size_padded > 128 or (shape.layout == "split" and shape.kv_cache_dtype != "auto" and (
+    elif shape.head_size_padded > 128 or (split and fp8 and (
             shape.workload == "short" or shape.head_size != shape.head_size_padded)):
         block_n, stages = 64, 2
-    elif shape.head_size_padded <= 64 and shape.layout == "nhd" and shape.workload == "long" \
-            and shape.kv_cache_dtype == "auto":
+    elif shape.head_size_padded <= 64 and not split and shape.workload == "long" and not fp8:
         block_n, stages = 256, 3
-    elif shape.layout == "nhd" or shape.workload == "long" or shape.head_size in WIDE_SHORT_SPLIT_HEAD_SIZES:
+    elif not split or shape.workload == "long" or shape.head_size in WIDE_SHORT_SPLIT_HEAD_SIZES:
         # (an FP8 cache: NHD, and the split layout's long calls at head sizes 64 and 128)
         block_n, stages = 128, 2
     else:
@@ -197,8 +142,6 @@ def hopper_unfit_reason(shape: ProblemShape, device: DeviceInfo) -> Optional[str
     if device.capability != (9, 0):
         return f"needs compute capability 9.0 (warpgroup MMA, TMA), the device has " \
                f"{device.capability[0]}.{device.capability[1]}"
-    from .hopper.launch import shape_unfit_reason  # imports Triton: only when a policy decides
-
     triton_version = _triton_version()
     if triton_version[:2] != GLUON_TRITON:
         # Gluon is experimental: its API moves between Triton releases.
@@ -230,13 +173,13 @@ def choose_kernel(shape: ProblemShape, device: DeviceInfo) -> tuple[str, str]:
         return "hopper", f"{KERNEL_ENV}=hopper"
     if (shape.layout, shape.head_size, shape.kv_cache_dtype) in UNVERIFIED:
         return "portable", f"the Hopper kernel reads head size {shape.head_size} with kv_cache_dtype=" \
-                           f"{shape.kv_cache_dtype!r} in the {shape.layout} layout only when asked for " \
+                           f"{shape.kv_cache_dtype.value!r} in the {shape.layout} layout only when asked for " \
                            f"({KERNEL_ENV}=hopper) until it has passed the suites on a GPU"
     if HOPPER_BY_DEFAULT and (shape.head_size, shape.kv_cache_dtype) in HOPPER_WINS:
         return "hopper", "the Hopper kernel takes this shape and is the faster one"
     if HOPPER_BY_DEFAULT:
         return "portable", f"the Hopper kernel has not measured faster at head size {shape.head_size} with " \
-                           f"kv_cache_dtype={shape.kv_cache_dtype!r}"
+                           f"kv_cache_dtype={shape.kv_cache_dtype.value!r}"
     return "portable", f"the Hopper kernel runs only when asked for ({KERNEL_ENV}=hopper) until it is verified"
 
 
@@ -250,8 +193,6 @@ def tuned_config(shape: ProblemShape, device: DeviceInfo, kernel: str) -> Option
 def sm80_policy(shape: ProblemShape, device: DeviceInfo) -> TileConfig:
     kernel, _ = choose_kernel(shape, device)
     if kernel == "hopper":
-        from .hopper.launch import shape_unfit_reason
-
         config = tuned_config(shape, device, kernel)
         if config is None or shape_unfit_reason(shape, config, device.max_shared_mem) is not None:
             config = hopper_config(shape)
@@ -273,13 +214,11 @@ def hopper_search_space(shape: ProblemShape, device: DeviceInfo) -> list[TileCon
     """The Hopper kernel's candidates: its rule's tile first, then 64 or 128 keys per step in 2- or 3-deep rings
     on 128 rows (and 256 keys in a 3-deep ring at head size 64 in the NHD layout), with its rule's head packing
     and without, where the kernel takes them and they fit the device's shared memory
-    (:func:`pagedprefill_sm80.hopper.launch.shared_bytes`)."""
-    from .hopper.launch import shape_unfit_reason
-
+    (:func:`pagedprefill_sm80.hopper.schedule.shared_bytes`)."""
     rule = hopper_config(shape)
     out = [rule]
     steps = [(64, 3), (128, 2), (64, 2), (128, 3)]
-    if shape.head_size_padded <= 64 and shape.layout == "nhd":
+    if shape.head_size_padded <= 64 and shape.layout is KVLayout.NHD:
         steps.append((256, 3))
     for block_n, stages in steps:
         for heads in sorted({1, rule.heads_per_tile}):

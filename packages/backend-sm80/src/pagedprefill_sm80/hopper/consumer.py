@@ -1,0 +1,155 @@
+"""The Hopper kernel's consumer partitions: for each key tile, ``S = Q K^T`` as a warpgroup MMA straight from
+shared memory, one online-softmax step in registers (core's :func:`~pagedprefill.triton.blocks.scale_logits`
+and :func:`~pagedprefill.triton.blocks.softmax_step`), and ``O += P V`` with P in registers; then the epilogue
+(:mod:`.epilogue`).
+
+A consumer never waits for a load the producer could have issued earlier and meets no CTA-wide barrier in the
+key loop. Under ``PINGPONG`` each of two consumer warpgroups is a partition of its own with half of the tile's
+rows, so that the two do not wait for each other at every key tile and one's softmax runs under the other's
+MMAs.
+"""
+
+from pagedprefill.triton.blocks import (
+    LOG2E,
+    cached_length,
+    scalar_or_load,
+    scale_logits,
+    softmax_step,
+    tile_rows,
+    visible,
+)
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
+
+from .epilogue import store_rows
+
+
+@gluon.jit
+def wait_tile(cfg, ring, it, from_cache):
+    """Wait until key tile ``it`` has landed in its buffer. Cached tiles the producer wrote with its own
+    instructions (``WRITTEN``) are ordinary shared-memory writes: fenced before the MMA's reads."""
+    STAGES: gl.constexpr = cfg.TILE.STAGES
+    mbarrier.wait(ring.ready.index(it % STAGES), (it // STAGES) & 1)
+    if cfg.WRITTEN:
+        if from_cache:
+            fence_async_shared()
+
+
+@gluon.jit
+def softmax_tile(cfg, scores, m_i, l_i, it, q_pos, alibi2, offs_n, rows, walk, kv_len, window, softcap,
+                 qk_scale,
+                 p_layout: gl.constexpr, p_dtype: gl.constexpr):
+    """One online-softmax step on the raw scores of key tile ``it`` of ``walk``: log2-domain logits, the masks
+    only where the tile needs them (past the keys, the causal diagonal, the window's start), the running max and
+    sum, and P as the next MMA's operand. ``kv_len``: the positions the cache holds for the sequence. Under
+    ``FUSED_SCALE`` (without softcap and ALiBi, which need the scaled scores) the scale is folded into each key's
+    exponent.
+
+    Returns ``(P, alpha, m, l)``; the caller rescales its accumulator by ``alpha``.
+    """
+    BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
+    CAUSAL: gl.constexpr = cfg.FEATURES.CAUSAL
+    WINDOW: gl.constexpr = cfg.FEATURES.WINDOW
+    SOFTCAP: gl.constexpr = cfg.FEATURES.SOFTCAP
+    ALIBI: gl.constexpr = cfg.FEATURES.ALIBI
+    if it < walk.cache_tiles:
+        n0 = walk.cache_start + it * BLOCK_N
+        key_end = kv_len
+        needs_mask = n0 + BLOCK_N > kv_len
+        if cfg.FEATURES.NEW_KV_IN_CACHE and CAUSAL:
+            needs_mask = needs_mask | (n0 + BLOCK_N - 1 > walk.pos_first)
+    else:
+        n0 = rows.ctx_len + walk.new_start + (it - walk.cache_tiles) * BLOCK_N
+        key_end = rows.ctx_len + rows.q_len
+        needs_mask = n0 + BLOCK_N > key_end
+        if CAUSAL:
+            needs_mask = needs_mask | (n0 + BLOCK_N - 1 > walk.pos_first)
+    if WINDOW:
+        needs_mask = needs_mask | (n0 < walk.full_from)
+    k_pos = n0 + offs_n
+    SCALE_IN_EXP: gl.constexpr = cfg.SCHEDULE.FUSED_SCALE and not SOFTCAP and not ALIBI
+    scores = scale_logits(scores, k_pos, q_pos, alibi2, qk_scale, softcap, SOFTCAP, ALIBI, SCALE_IN_EXP)
+    if needs_mask:
+        scores = gl.where(visible(q_pos, k_pos, k_pos < key_end, window, CAUSAL, WINDOW), scores, float("-inf"))
+    p, alpha, m_new, l_i = softmax_step(scores, m_i, l_i, qk_scale, SCALE_IN_EXP)
+    return gl.convert_layout(p.to(p_dtype), p_layout), alpha, m_new, l_i
+
+
+@gluon.jit
+def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
+    """Consume the ring for rows ``ROW0 .. ROW0 + ROWS`` of the tile (``q_smem`` holds those rows): scores,
+    online softmax and ``P V`` per key tile; then normalise and store (:func:`~.epilogue.store_rows`).
+
+    ``consumed`` is what every consumer reads: ``(ring, rows, walk, per_head, scoring, scales, output)``, with
+    ``per_head`` core's ALiBi slopes and sinks, ``scoring`` ``(window, softcap, qk_scale)`` (``qk_scale`` has
+    ``log2(e)`` folded in unless there is a softcap), ``scales`` core's ``Scales`` and ``ScaleTensors``, ``output``
+    ``(out, its row strides)``. An FP8 cache's ``k_scale`` is folded into the cached tiles' logit scale and
+    ``v_scale`` into the accumulator once the cached tiles (which come first) are done.
+    """
+    BLOCK_M: gl.constexpr = cfg.ROWS
+    BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
+    HEAD_SIZE: gl.constexpr = cfg.LAYOUT.HEAD_SIZE
+    NUM_WARPS: gl.constexpr = cfg.CONSUMER_WARPS
+    STAGES: gl.constexpr = cfg.TILE.STAGES
+    FP8_CACHE: gl.constexpr = cfg.LAYOUT.FP8_CACHE
+    # Cached values in the V^T ring: the split layout's, unless an FP8 cache's are widened into the V ring.
+    CACHED_VT: gl.constexpr = cfg.LAYOUT.SPLIT and not cfg.SCHEDULE.WIDEN_TO_V
+    ring, rows, walk, per_head, scoring, scales, output = consumed
+    window, softcap, qk_scale = scoring
+    values, tensors = scales
+    qk_scale_cache = qk_scale
+    v_scale = 1.0
+    if FP8_CACHE:
+        qk_scale_cache = qk_scale * scalar_or_load(values.k, tensors.k, cfg.SCALE_FROM_TENSOR.K)
+        v_scale = scalar_or_load(values.v, tensors.v, cfg.SCALE_FROM_TENSOR.V)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, HEAD_SIZE, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    key_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    head, out_rows, row_ok, q_pos = tile_rows(ROW0 + gl.arange(0, BLOCK_M, row_s), rows.tok0, rows.kv_head, rows.chunk,
+                                              rows.group_size, rows.seq_row0, rows.ctx_len, rows.q_len,
+                                              rows.num_tokens, cfg.TILE.HEADS_PER_TILE, cfg.TOKENS_PER_TILE)
+    alibi2 = gl.zeros([BLOCK_M], gl.float32, row_s)
+    if cfg.FEATURES.ALIBI:
+        alibi2 = gl.load(per_head[0] + head, mask=row_ok, other=0.0).to(gl.float32) * LOG2E
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+    acc = gl.zeros([BLOCK_M, HEAD_SIZE], gl.float32, o_layout)
+    offs_n = gl.arange(0, BLOCK_N, key_s)
+    kv_len = cached_length(rows.ctx_len, rows.q_len, cfg.FEATURES.NEW_KV_IN_CACHE)
+
+    cache_tiles = walk.cache_tiles
+    for it in range(cache_tiles + walk.new_tiles):
+        s = it % STAGES
+        from_cache = it < cache_tiles
+        wait_tile(cfg, ring, it, from_cache)
+        if FP8_CACHE:
+            if it == cache_tiles:  # the cached tiles are done: their values' scale, once
+                acc = acc * v_scale
+        zeros = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        scores = warpgroup_mma(q_smem, ring.k.index(s).permute((1, 0)), zeros, use_acc=False)
+        tile_scale = qk_scale
+        if FP8_CACHE and from_cache:
+            tile_scale = qk_scale_cache
+        p_op, alpha, m_i, l_i = softmax_tile(cfg, scores, m_i, l_i, it, q_pos, alibi2, offs_n, rows, walk, kv_len,
+                                             window, softcap, tile_scale, p_layout, q_smem.dtype)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        if CACHED_VT and from_cache:
+            # Cached values arrive transposed (V^T pages) in their own ring, new tokens' values as rows.
+            acc = warpgroup_mma(p_op, ring.vt.index(s).permute((1, 0)), acc)
+        else:
+            acc = warpgroup_mma(p_op, ring.v.index(s), acc)
+        # Every warp of this consumer is done with the buffer (its MMAs are synchronous): one arrival for all.
+        gl.thread_barrier()
+        mbarrier.arrive(ring.empty.index(s), count=1)
+    if FP8_CACHE:
+        if walk.new_tiles == 0:  # no new tile followed the cached ones
+            acc = acc * v_scale
+
+    store_rows(cfg, acc, m_i, l_i, head, out_rows, row_ok, per_head, scales, output, o_layout)

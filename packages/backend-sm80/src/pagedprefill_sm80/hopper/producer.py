@@ -1,0 +1,201 @@
+"""The Hopper kernel's producer partition: fills the ring with each key tile's K and V, in the order the
+consumers drain it (:class:`~.state.KeyWalk`).
+
+For each tile it waits until the tile's buffer is free (``empty``), issues the copies (:mod:`.loads`) and lets
+the ``ready`` barrier count their bytes (TMA) and their completion (asynchronous copies, stores). An FP8 cache's
+tiles land in an FP8 ring first, up to ``STAGES`` tiles ahead, and the producer's warps widen each into the
+16-bit ring once, for both consumers.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier
+
+from .loads import (
+    cached_boxes,
+    copy_rows,
+    split_boxed_tile,
+    split_keys_async,
+    split_keys_loaded,
+    split_tile_keys,
+    split_value_boxes,
+    split_values_async,
+    widen,
+)
+
+
+@gluon.jit
+def split_cached_tile(cfg, sources, table, kv_head, col, n0, barrier, k_dst, vt_dst, VALUE_COPIES: gl.constexpr,
+                      EARLY_KEYS: gl.constexpr, loaded):
+    """One split-layout tile of cached keys into ``k_dst`` (``[BLOCK_N, D]``: 16-byte copies, or under the
+    schedule's ``KEY_LOADS`` loads and stores, that many keys per chunk) and of its values into ``vt_dst`` as V^T
+    (``[D, BLOCK_N]``): one TMA box per page, or with ``VALUE_COPIES`` (an FP8 cache) 16-byte copies. ``barrier``
+    completes once every copy has landed. Under ``VALUES_FIRST`` the boxes are issued before the keys are loaded,
+    and ``barrier`` takes two arrivals, the boxes' expect and one after the keys' stores. ``EARLY_KEYS``: the keys
+    were loaded before the buffer was free, ``loaded`` (:func:`~.loads.split_tile_keys`; unread otherwise); only
+    their stores are left."""
+    HEAD_SIZE: gl.constexpr = cfg.LAYOUT.HEAD_SIZE
+    HEAD_DIM: gl.constexpr = cfg.LAYOUT.HEAD_DIM
+    PAGE: gl.constexpr = cfg.LAYOUT.PAGE
+    X: gl.constexpr = cfg.LAYOUT.X
+    BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
+    WARPS: gl.constexpr = cfg.SCHEDULE.PRODUCER_WARPS
+    KEY_LOADS: gl.constexpr = cfg.SCHEDULE.KEY_LOADS
+    VALUES_FIRST: gl.constexpr = cfg.SCHEDULE.VALUES_FIRST
+    _, _, _, _, v_cache_t, split_keys, split_values = sources
+    v_rows_per_block = split_values[1]
+    VALUE_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * v_cache_t.dtype.primitive_bitwidth // 8
+    if VALUES_FIRST:
+        mbarrier.expect(barrier, VALUE_BYTES)
+        split_value_boxes(v_cache_t, table, kv_head, col, n0, v_rows_per_block, barrier, vt_dst, HEAD_SIZE, PAGE,
+                          BLOCK_N, HEAD_DIM)
+    if EARLY_KEYS:
+        first, second = loaded
+        k_dst.slice(0, KEY_LOADS).store(first)
+        if BLOCK_N > KEY_LOADS:
+            k_dst.slice(KEY_LOADS, KEY_LOADS).store(second)
+    elif KEY_LOADS:
+        split_keys_loaded(split_keys, k_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM,
+                          KEY_LOADS)
+    else:
+        split_keys_async(split_keys, k_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM)
+    if VALUE_COPIES:
+        split_values_async(split_values, vt_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, WARPS, HEAD_DIM)
+    # Arrives once this lane's copies have landed; issued before the TMA's expect, so the barrier cannot
+    # complete on the value bytes alone.
+    async_copy.mbarrier_arrive(barrier)
+    if KEY_LOADS:
+        # The keys are ordinary stores: ordered before the MMA's reads, and every producer warp's done before
+        # the one arrival below.
+        fence_async_shared()
+        gl.thread_barrier()
+    if VALUE_COPIES or VALUES_FIRST:
+        mbarrier.arrive(barrier, count=1)
+    else:
+        mbarrier.expect(barrier, VALUE_BYTES)
+        split_value_boxes(v_cache_t, table, kv_head, col, n0, v_rows_per_block, barrier, vt_dst, HEAD_SIZE, PAGE,
+                          BLOCK_N, HEAD_DIM)
+
+
+@gluon.jit
+def fp8_cached_tile(cfg, sources, table, kv_head, col, n0, barrier, k_dst, v_dst):
+    """One FP8 tile of cached keys and values into the FP8 ring's ``k_dst`` and ``v_dst`` (V^T in the split
+    layout), completing ``barrier``: TMA boxes per page (NHD), the split layout's page boxes (``FP8_BOXES``,
+    :func:`~.loads.split_boxed_tile`) or its 16-byte copies."""
+    HEAD_SIZE: gl.constexpr = cfg.LAYOUT.HEAD_SIZE
+    PAGE: gl.constexpr = cfg.LAYOUT.PAGE
+    BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
+    k_cache, v_cache, _, _, v_cache_t, split_keys, split_values = sources
+    TILE_BYTES: gl.constexpr = 2 * BLOCK_N * HEAD_SIZE * v_cache_t.dtype.primitive_bitwidth // 8
+    if cfg.LAYOUT.SPLIT and cfg.SCHEDULE.FP8_BOXES:
+        split_boxed_tile(k_cache, split_keys, v_cache_t, table, kv_head, col, n0, split_values[1], barrier, k_dst,
+                         v_dst, HEAD_SIZE, PAGE, BLOCK_N, cfg.LAYOUT.X)
+    elif cfg.LAYOUT.SPLIT:
+        split_cached_tile(cfg, sources, table, kv_head, col, n0, barrier, k_dst, v_dst, True, False, k_dst)
+    else:
+        cached_boxes(k_cache, v_cache, table, kv_head, col, n0, barrier, k_dst, v_dst, TILE_BYTES, PAGE, BLOCK_N,
+                     HEAD_SIZE, cfg.PADDED)
+
+
+@gluon.jit
+def widen_tile(cfg, ring, s):
+    """Widen the FP8 ring's tile in buffer ``s`` into the 16-bit ring: the keys, and the values into V^T (split
+    layout), or into V (NHD, and the split layout under ``WIDEN_TO_V``); page blocks under ``FP8_BOXES``."""
+    HEAD_SIZE: gl.constexpr = cfg.LAYOUT.HEAD_SIZE
+    PAGE: gl.constexpr = cfg.LAYOUT.PAGE
+    BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
+    WARPS: gl.constexpr = cfg.SCHEDULE.PRODUCER_WARPS
+    F32_WIDENING: gl.constexpr = cfg.SCHEDULE.F32_WIDENING
+    FP8_BOXES: gl.constexpr = cfg.SCHEDULE.FP8_BOXES
+    k_dst = ring.k.index(s)
+    # FP8_BOXES: from the boxes' blocks, the keys by pages of 16-byte columns, V^T by pages.
+    VALUE_BLOCK: gl.constexpr = (PAGE if PAGE < BLOCK_N else BLOCK_N) if FP8_BOXES else 0
+    if FP8_BOXES:
+        widen(ring.k8.index(s), k_dst, HEAD_SIZE, WARPS, F32_WIDENING, cfg.LAYOUT.X, BLOCK_N // VALUE_BLOCK)
+    else:
+        widen(ring.k8.index(s), k_dst, HEAD_SIZE, WARPS, F32_WIDENING)
+    if cfg.SCHEDULE.WIDEN_TO_V:  # V^T in FP8, V in the 16-bit ring
+        widen(ring.v8.index(s), ring.v.index(s), BLOCK_N, WARPS, F32_WIDENING, VALUE_BLOCK, 1, True)
+    elif cfg.LAYOUT.SPLIT:  # V^T, [D, BLOCK_N]
+        widen(ring.v8.index(s), ring.vt.index(s), BLOCK_N, WARPS, F32_WIDENING, VALUE_BLOCK)
+    else:
+        widen(ring.v8.index(s), ring.v.index(s), HEAD_SIZE, WARPS, F32_WIDENING)
+
+
+@gluon.jit
+def producer(cfg, sources, ring, table, rows, walk):
+    """Fill the ring with the key tiles of ``walk``, for the query tile at ``rows``.
+
+    ``sources`` are the TMA descriptors (cached K and V, new K and V, the split layout's V^T pages) and the split
+    layout's keys and values with their strides; ``table`` the sequence's block-table row with the table's width
+    and the cache's block count. A head narrower than the tile (NHD, ``PADDED``) comes through rank-3 descriptors
+    (``[rows, heads, head size]``), whose boxes of ``HEAD_SIZE`` columns read the columns past the head as zeros.
+    Under ``EARLY_KEYS`` a cached tile's keys are loaded into registers before the wait for its buffer, so that
+    their latency passes while the consumers still hold the buffer.
+    """
+    HEAD_SIZE: gl.constexpr = cfg.LAYOUT.HEAD_SIZE
+    HEAD_DIM: gl.constexpr = cfg.LAYOUT.HEAD_DIM
+    PAGE: gl.constexpr = cfg.LAYOUT.PAGE
+    BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
+    STAGES: gl.constexpr = cfg.TILE.STAGES
+    FP8_CACHE: gl.constexpr = cfg.LAYOUT.FP8_CACHE
+    KEY_LOADS: gl.constexpr = cfg.SCHEDULE.KEY_LOADS
+    EARLY_KEYS: gl.constexpr = cfg.SCHEDULE.EARLY_KEYS
+    gl.static_assert(not EARLY_KEYS or (cfg.LAYOUT.SPLIT and KEY_LOADS > 0 and not FP8_CACHE
+                                        and BLOCK_N <= 2 * KEY_LOADS),
+                     "EARLY_KEYS: the split layout's 16-bit key loads, a tile of one or two chunks")
+    _, _, k_new, v_new, v_cache_t, split_keys, _ = sources
+    kv_head = rows.kv_head
+    cache_start = walk.cache_start
+    cache_tiles = walk.cache_tiles
+    HALF_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * k_new.dtype.primitive_bitwidth // 8
+    CACHE_HALF_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * v_cache_t.dtype.primitive_bitwidth // 8
+    col = kv_head * HEAD_DIM
+    if FP8_CACHE:  # the first FP8 tiles in flight before any 16-bit buffer is free
+        for j in range(gl.minimum(cache_tiles, STAGES)):
+            fp8_cached_tile(cfg, sources, table, kv_head, col, cache_start + j * BLOCK_N, ring.ready8.index(j),
+                            ring.k8.index(j), ring.v8.index(j))
+    first_new = 0
+    if EARLY_KEYS:
+        # The cached tiles first, each one's keys loaded before its buffer is free; then the new tokens' tiles.
+        for it in range(cache_tiles):
+            s = it % STAGES
+            n0 = cache_start + it * BLOCK_N
+            loaded = split_tile_keys(split_keys, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, cfg.LAYOUT.X,
+                                     cfg.SCHEDULE.PRODUCER_WARPS, HEAD_DIM, KEY_LOADS)
+            mbarrier.wait(ring.empty.index(s), ((it // STAGES) & 1) ^ 1)
+            split_cached_tile(cfg, sources, table, kv_head, col, n0, ring.ready.index(s), ring.k.index(s),
+                              ring.vt.index(s), False, True, loaded)
+        first_new = cache_tiles
+    for it in range(first_new, cache_tiles + walk.new_tiles):
+        s = it % STAGES
+        mbarrier.wait(ring.empty.index(s), ((it // STAGES) & 1) ^ 1)
+        k_dst = ring.k.index(s)
+        if it < cache_tiles:
+            if FP8_CACHE:
+                mbarrier.wait(ring.ready8.index(s), (it // STAGES) & 1)
+                widen_tile(cfg, ring, s)
+                # The stores are ordered before the consumers' MMA reads, and every warp is done with the FP8
+                # slot before the next tile's copies overwrite it.
+                fence_async_shared()
+                gl.thread_barrier()
+                if it + STAGES < cache_tiles:
+                    fp8_cached_tile(cfg, sources, table, kv_head, col, cache_start + (it + STAGES) * BLOCK_N,
+                                    ring.ready8.index(s), ring.k8.index(s), ring.v8.index(s))
+                mbarrier.arrive(ring.ready.index(s), count=1)
+            elif cfg.LAYOUT.SPLIT:
+                split_cached_tile(cfg, sources, table, kv_head, col, cache_start + it * BLOCK_N, ring.ready.index(s),
+                                  k_dst, ring.vt.index(s), False, False, k_dst)
+            else:
+                k_cache, v_cache, _, _, _, _, _ = sources
+                cached_boxes(k_cache, v_cache, table, kv_head, col, cache_start + it * BLOCK_N, ring.ready.index(s),
+                             ring.k8.index(s), ring.v8.index(s), 2 * CACHE_HALF_BYTES, PAGE, BLOCK_N, HEAD_SIZE,
+                             cfg.PADDED)
+        else:
+            row = rows.seq_row0 + walk.new_start + (it - cache_tiles) * BLOCK_N
+            mbarrier.expect(ring.ready.index(s), 2 * HALF_BYTES)
+            if cfg.SCHEDULE.VALUES_FIRST:  # the second of the two arrivals the ring's barriers take then
+                mbarrier.arrive(ring.ready.index(s), count=1)
+            copy_rows(k_new, row, kv_head, col, ring.ready.index(s), k_dst, 0, BLOCK_N, BLOCK_N, HEAD_SIZE, cfg.PADDED)
+            copy_rows(v_new, row, kv_head, col, ring.ready.index(s), ring.v.index(s), 0, BLOCK_N, BLOCK_N, HEAD_SIZE,
+                      cfg.PADDED)

@@ -1,0 +1,128 @@
+"""What the Hopper kernel's partitions share, as aggregates: the compile-time configuration, the query tile's
+rows, the key tiles it walks and the shared-memory ring. Each partition takes them as they are, so that its
+argument list is written once; constexpr fields stay constexpr inside every partition."""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.language.core import _aggregate as aggregate
+
+#: A run-time value, or one Triton specialised to a constant (an integer argument equal to 1, a bound that
+#: is 0 when a feature is off).
+_Value = (gl.tensor, gl.constexpr)
+
+
+@aggregate
+class KernelConfig:
+    """The launch's constexprs (:mod:`.arguments`, core's ``Features`` and ``ScaleFromTensor``, the resolved
+    :class:`~.schedule.Schedule`) and what follows from them: ``CONSUMERS`` partitions of ``CONSUMER_WARPS``
+    warps with ``ROWS`` rows each, ``TOKENS_PER_TILE`` tokens per tile, ``PADDED`` (the head is narrower than
+    the tile), and ``WRITTEN``: cached tiles the producer writes with its own instructions (the split layout's
+    copies and stores, widened FP8 tiles), which the consumers fence before their MMAs read them."""
+
+    TILE: gl.constexpr
+    LAYOUT: gl.constexpr
+    FEATURES: gl.constexpr
+    SCALE_FROM_TENSOR: gl.constexpr
+    SCHEDULE: gl.constexpr
+    CONSUMERS: gl.constexpr
+    CONSUMER_WARPS: gl.constexpr
+    ROWS: gl.constexpr
+    TOKENS_PER_TILE: gl.constexpr
+    PADDED: gl.constexpr
+    WRITTEN: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, TILE, LAYOUT, FEATURES, SCALE_FROM_TENSOR, SCHEDULE):
+        self.TILE = gl.constexpr(TILE)
+        self.LAYOUT = gl.constexpr(LAYOUT)
+        self.FEATURES = gl.constexpr(FEATURES)
+        self.SCALE_FROM_TENSOR = gl.constexpr(SCALE_FROM_TENSOR)
+        self.SCHEDULE = gl.constexpr(SCHEDULE)
+        tile, layout, schedule = gl.constexpr(TILE).value, gl.constexpr(LAYOUT).value, gl.constexpr(SCHEDULE).value
+        consumers = 2 if schedule.PINGPONG else 1
+        self.CONSUMERS = gl.constexpr(consumers)
+        self.CONSUMER_WARPS = gl.constexpr(tile.NUM_WARPS // consumers)
+        self.ROWS = gl.constexpr(tile.BLOCK_M // consumers)
+        self.TOKENS_PER_TILE = gl.constexpr(tile.BLOCK_M // tile.HEADS_PER_TILE)
+        self.PADDED = gl.constexpr(layout.HEAD_DIM < layout.HEAD_SIZE)
+        self.WRITTEN = gl.constexpr(layout.SPLIT or layout.FP8_CACHE)
+
+
+@aggregate
+class TileRows:
+    """Where the query tile's rows are: its first token ``tok0`` within sequence positions ``ctx_len ..
+    ctx_len + q_len``, whose first row in q/out is ``seq_row0``; its KV head and chunk of that head's query
+    heads (``group_size`` per KV head); ``num_tokens`` rows in q/out."""
+
+    tok0: _Value
+    kv_head: _Value
+    chunk: _Value
+    group_size: _Value
+    seq_row0: _Value
+    num_tokens: _Value
+    ctx_len: _Value
+    q_len: _Value
+
+    @gluon.constexpr_function
+    def __init__(self, tok0, kv_head, chunk, group_size, seq_row0, num_tokens, ctx_len, q_len):
+        self.tok0 = tok0
+        self.kv_head = kv_head
+        self.chunk = chunk
+        self.group_size = group_size
+        self.seq_row0 = seq_row0
+        self.num_tokens = num_tokens
+        self.ctx_len = ctx_len
+        self.q_len = q_len
+
+
+@aggregate
+class KeyWalk:
+    """The key tiles the query tile visits, which the producer fills and the consumers drain in the same order:
+    ``cache_tiles`` cached tiles from position ``cache_start``, then ``new_tiles`` tiles of new tokens from
+    index ``new_start`` among them. ``pos_first`` is the tile's first query position and ``full_from`` the lowest
+    key every row sees without a window mask."""
+
+    cache_start: _Value
+    cache_tiles: _Value
+    new_start: _Value
+    new_tiles: _Value
+    pos_first: _Value
+    full_from: _Value
+
+    @gluon.constexpr_function
+    def __init__(self, cache_start, cache_tiles, new_start, new_tiles, pos_first, full_from):
+        self.cache_start = cache_start
+        self.cache_tiles = cache_tiles
+        self.new_start = new_start
+        self.new_tiles = new_tiles
+        self.pos_first = pos_first
+        self.full_from = full_from
+
+
+@aggregate
+class Ring:
+    """The K/V buffers of ``STAGES`` key tiles and their barriers: ``k`` and ``v`` in the 16-bit type the MMAs
+    read, ``vt`` the split layout's cached values as V^T pages (``v`` itself in NHD), ``k8``/``v8`` an FP8 cache's
+    tiles as they land (``k``/``v`` themselves for a 16-bit cache). ``ready`` completes when a buffer's tile is
+    there, ``empty`` when every consumer is done with it; ``ready8`` (FP8 caches, seen by the producer only) when
+    its FP8 bytes have landed."""
+
+    k: gl.shared_memory_descriptor
+    v: gl.shared_memory_descriptor
+    vt: gl.shared_memory_descriptor
+    k8: gl.shared_memory_descriptor
+    v8: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+    ready8: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, k, v, vt, k8, v8, ready, empty, ready8):
+        self.k = k
+        self.v = v
+        self.vt = vt
+        self.k8 = k8
+        self.v8 = v8
+        self.ready = ready
+        self.empty = empty
+        self.ready8 = ready8
