@@ -56,6 +56,8 @@ FEATURES = {
     "fp8-out": dict(fp8_out_scale=0.5),
     "skip-decode": dict(skip_decode=True),
     "fp16": dict(dtype=torch.float16),
+    "mha": dict(num_kv_heads=32),  # one query head per KV head: the group size is specialised to a constant
+    "block-128": dict(block_size=128),
 }
 #: Described devices the routes are compiled for, by name, with their compute capability.
 DEVICES = {"h200": 90, "a100": 80}
@@ -162,7 +164,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     os.environ["PAGEDPREFILL_SM80_KERNEL"] = args.kernel
     before = json.load(open(args.compare)) if args.compare else None
-    rows, changed = {}, []
+    rows, changed, new_routes = {}, [], []
     for name, spec in routes(args.quick).items():
         if args.only and args.only not in name:
             continue
@@ -176,6 +178,7 @@ def main(argv=None) -> int:
         if before is not None:
             if name not in before:
                 status += "; not in the earlier file"
+                new_routes.append(name)
             else:
                 if "error" in row or "error" in before[name]:  # a route this target cannot compile, before too
                     diff = "" if row.get("error") == before[name].get("error") else row.get("error", "compiles now")
@@ -189,8 +192,10 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1, sort_keys=True)
     if before is not None:
-        print(f"{len(rows) - len(changed)} of {len(rows)} routes compile to the same instructions"
-              + (f"; changed: {', '.join(changed)}" if changed else ""))
+        compared = len(rows) - len(new_routes)
+        print(f"{compared - len(changed)} of {compared} routes compile to the same instructions"
+              + (f"; changed: {', '.join(changed)}" if changed else "")
+              + (f"; {len(new_routes)} not in the earlier file" if new_routes else ""))
     return 1 if changed else 0
 
 

@@ -11,6 +11,13 @@ from triton.language.core import _aggregate as aggregate
 _Value = (gl.tensor, gl.constexpr)
 
 
+@gluon.constexpr_function
+def _value(x):
+    """``x`` as an aggregate field takes it: a constant that reached here as a plain Python number (an integer
+    argument equal to 1 is specialised to one) becomes a constexpr."""
+    return gl.constexpr(x) if isinstance(x, (bool, int, float)) else x
+
+
 @aggregate
 class KernelConfig:
     """The launch's constexprs (:mod:`.arguments`, core's ``Features`` and ``ScaleFromTensor``, the resolved
@@ -65,13 +72,13 @@ class TileRows:
 
     @gluon.constexpr_function
     def __init__(self, tok0, kv_head, chunk, group_size, seq_row0, num_tokens, ctx_len, q_len):
-        self.tok0 = tok0
-        self.kv_head = kv_head
-        self.chunk = chunk
-        self.group_size = group_size
-        self.seq_row0 = seq_row0
-        self.num_tokens = num_tokens
-        self.ctx_len = ctx_len
+        self.tok0 = _value(tok0)
+        self.kv_head = _value(kv_head)
+        self.chunk = _value(chunk)
+        self.group_size = _value(group_size)
+        self.seq_row0 = _value(seq_row0)
+        self.num_tokens = _value(num_tokens)
+        self.ctx_len = _value(ctx_len)
         self.q_len = q_len
 
 
@@ -91,11 +98,11 @@ class KeyWalk:
 
     @gluon.constexpr_function
     def __init__(self, cache_start, cache_tiles, new_start, new_tiles, pos_first, full_from):
-        self.cache_start = cache_start
-        self.cache_tiles = cache_tiles
-        self.new_start = new_start
-        self.new_tiles = new_tiles
-        self.pos_first = pos_first
+        self.cache_start = _value(cache_start)
+        self.cache_tiles = _value(cache_tiles)
+        self.new_start = _value(new_start)
+        self.new_tiles = _value(new_tiles)
+        self.pos_first = _value(pos_first)
         self.full_from = full_from
 
 
