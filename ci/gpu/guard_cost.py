@@ -42,12 +42,14 @@ GUARDS = [
     ("kernel", r"in_bounds_len = tl\.maximum\(tl\.minimum\(q_len, in_tensors\), 0\)", "in_bounds_len = q_len", 1),
     ("kernel", r"\n\s*row_ok = row_ok & \(seq_row0 >= 0\)", "", 1),
 ]
-#: The Hopper kernel's own guards, in backend-sm80's ``hopper/kernel.py`` (its block-table lookup).
+#: The Hopper kernel's own guards, in backend-sm80's ``hopper/loads.py`` (its block-table lookup).
 HOPPER_GUARDS = [
-    ("hopper", r"gl\.maximum\(gl\.minimum\((?P<col>.+?), table_width - 1\), 0\)",
+    ("loads", r"gl\.maximum\(gl\.minimum\((?P<col>.+?), table_width - 1\), 0\)",
      r"gl.minimum(\g<col>, table_width - 1)", 1),
-    ("hopper", r"gl\.where\(\(pages >= 0\) & \(pages < num_blocks\), pages, 0\)", "pages", 1),
+    ("loads", r"gl\.where\(\(pages >= 0\) & \(pages < num_blocks\), pages, 0\)", "pages", 1),
 ]
+#: The Hopper kernel's modules, copied together into a package of their own (they import each other).
+HOPPER_MODULES = ("state", "loads", "epilogue", "consumer", "producer", "kernel")
 BLOCKS_IMPORT = "from pagedprefill.triton.blocks import"
 UNGUARDED_BLOCKS_IMPORT = "from pagedprefill.triton._unguarded_blocks import"
 
@@ -86,16 +88,29 @@ def unguarded_kernels(with_hopper: bool) -> dict:
     kernels = {"portable": _import_copy(f"{package.__name__}._unguarded_kernel", sources["kernel"],
                                         where).prefix_prefill_kernel}
     if with_hopper:
-        import pagedprefill_sm80.hopper.kernel as hopper
-
-        sources["hopper"] = Path(hopper.__file__).read_text()
-        _strip(sources, HOPPER_GUARDS)
-        if sources["hopper"].count(BLOCKS_IMPORT) != 1:
-            raise SystemExit(f"guard_cost: the Hopper kernel no longer imports core's blocks with {BLOCKS_IMPORT!r}")
-        sources["hopper"] = sources["hopper"].replace(BLOCKS_IMPORT, UNGUARDED_BLOCKS_IMPORT)
-        kernels["hopper"] = _import_copy("pagedprefill_sm80.hopper._unguarded_kernel", sources["hopper"],
-                                         where).hopper_prefill_kernel
+        kernels["hopper"] = _unguarded_hopper(where)
     return kernels
+
+
+def _unguarded_hopper(where: Path):
+    """The Hopper kernel compiled from a copy of its modules without :data:`HOPPER_GUARDS`, importing the
+    unguarded copy of core's building blocks (the row guard it shares with the portable kernel)."""
+    import importlib
+
+    import pagedprefill_sm80.hopper as hopper
+
+    folder = Path(hopper.__file__).parent
+    sources = {name: (folder / f"{name}.py").read_text() for name in HOPPER_MODULES}
+    _strip(sources, HOPPER_GUARDS)
+    if not any(BLOCKS_IMPORT in text for text in sources.values()):
+        raise SystemExit(f"guard_cost: the Hopper kernel no longer imports core's blocks with {BLOCKS_IMPORT!r}")
+    package = where / "unguarded_hopper"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for name, text in sources.items():
+        (package / f"{name}.py").write_text(text.replace(BLOCKS_IMPORT, UNGUARDED_BLOCKS_IMPORT))
+    sys.path.insert(0, str(where))
+    return importlib.import_module("unguarded_hopper.kernel").hopper_prefill_kernel
 
 
 def _hopper_available(backend, info) -> str:

@@ -15,7 +15,17 @@ from pagedprefill.backends.triton_base import problem_shape
 from pagedprefill.tiling import ProblemShape
 from pagedprefill.workloads import BatchSpec, make_problem
 from pagedprefill_sm80 import Sm80Backend
-from pagedprefill_sm80.hopper.launch import SCHEDULE_ENV, kernel_call, unfit_reason
+from pagedprefill_sm80.hopper.launch import kernel_call, unfit_reason
+from pagedprefill_sm80.hopper.schedule import (
+    DEFAULTS,
+    SCHEDULE_ENV,
+    from_environment,
+    parse,
+    resolve,
+    route_flags,
+    shape_unfit_reason,
+    shared_bytes,
+)
 from pagedprefill_sm80.policy import HOPPER_BY_DEFAULT, KERNEL_ENV, choose_kernel, hopper_config, kernel_preference
 
 # Gluon wraps Triton's own functions when it is first imported, and refuses interpreter-decorated ones unless the
@@ -115,9 +125,121 @@ def test_tensors_a_tma_view_cannot_address_fall_back_to_the_portable_kernel(monk
     assert unfit_reason(shifted, config).startswith("k:")
 
 
+@pytest.mark.parametrize("changes", [{}, {"layout": "split"}, {"head_size": 96, "kv_cache_dtype": "fp8_e5m2"},
+                                     {"layout": "split", "kv_cache_dtype": "fp8_e4m3", "scale_as_tensor": True,
+                                      "sliding_window": 9, "softcap": 5.0},
+                                     {"kv_in_cache": True, "causal": False, "alibi": True, "sinks": True}],
+                         ids=["nhd", "split", "nhd-d96-fp8", "split-fp8-features", "nhd-kv-in-cache"])
+def test_a_launch_passes_cores_groups_and_the_kernels_tile_layout_and_schedule(changes):
+    """The Hopper launch passes core's argument groups as the portable kernel's launch builds them (tokens,
+    cache, batch, per-head values and scale tensors; scales, extents, features, which scales come from tensors)
+    and its own: five TMA descriptors at ``DESCRIPTORS``, its strides, and its tile, cache layout and resolved
+    schedule as one constexpr each; under ``PINGPONG`` the launch's warps are the first consumer warpgroup's."""
+    from pagedprefill.triton.arguments import Batch, Cache, Extents, PerHead, ScaleTensors, Tokens
+    from pagedprefill.triton.launch import call_extents, call_features, scale_arguments
+    from pagedprefill_sm80.hopper.arguments import Layout, Strides, Tile
+    from pagedprefill_sm80.hopper.launch import DESCRIPTORS
+    from pagedprefill_sm80.hopper.schedule import PADDED_HEADS, kernel_schedule
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    problem = make_problem(SPEC.replace(**changes))
+    s = problem_shape(problem)
+    config = hopper_config(s)
+    call = kernel_call(problem, config, s)
+    assert [type(t) for t in call.tensors] == [Tokens, *[TensorDescriptor] * 5, Cache, Batch, PerHead, ScaleTensors]
+    assert all(isinstance(t, TensorDescriptor) for t in call.tensors[DESCRIPTORS])
+    assert call.tensors[0].q is problem.q and call.tensors[0].out is problem.out
+    assert call.tensors[6].block_table is problem.batch.block_table
+    assert call.tensors[6].key.data_ptr() == problem.cache.key.data_ptr()
+    assert call.tensors[6].key.dtype == (problem.cache.dtype.torch_dtype if problem.cache.dtype.is_fp8
+                                         else problem.q.dtype)  # an FP8 cache as the type it stores
+    qk_scale, scales, softcap, window, extents, strides = call.scalars
+    assert (scales, call.constexprs["SCALE_FROM_TENSOR"]) == scale_arguments(problem)
+    assert extents == call_extents(problem) and isinstance(extents, Extents) and isinstance(strides, Strides)
+    assert (softcap, window) == (problem.options.softcap, problem.options.sliding_window or 0)
+    assert strides.q == (problem.q.stride(0), problem.q.stride(1)) and strides.table_seq == \
+        problem.batch.block_table.stride(0)
+    assert set(call.constexprs) == {"TILE", "LAYOUT", "FEATURES", "SCALE_FROM_TENSOR", "SCHEDULE"}
+    assert call.constexprs["FEATURES"] == call_features(problem)
+    group = SPEC.num_heads // SPEC.num_kv_heads
+    assert call.constexprs["TILE"] == Tile(config.block_m, config.block_n, config.heads_per_tile,
+                                           -(-group // config.heads_per_tile), config.num_stages, config.num_warps)
+    layout = call.constexprs["LAYOUT"]
+    assert isinstance(layout, Layout) and layout.SPLIT == (s.layout == "split")
+    assert (layout.PAGE, layout.HEAD_DIM, layout.HEAD_SIZE) == \
+        (s.block_size, s.head_size, PADDED_HEADS.get(s.head_size, s.head_size))
+    assert layout.FP8_CACHE == problem.cache.dtype.is_fp8
+    assert layout.X == (problem.cache.key.shape[4] if layout.SPLIT else 8)
+    assert call.constexprs["SCHEDULE"] == kernel_schedule(resolve(s, config), s, config)
+    assert call.options == {"num_warps": 4 if call.constexprs["SCHEDULE"].PINGPONG else config.num_warps}
+
+
+def test_the_kernels_parameters_are_the_launchs_arguments_in_order():
+    """A bound launch passes the tensors and scalars positionally and then the constexprs by the kernel's
+    parameter names: the kernel's signature is exactly that (checked in a child process, outside Triton's
+    interpreter)."""
+    got = child_result("kernel_parameters")
+    assert got["tensors"] + got["scalars"] + got["constexprs"] == got["parameters"], got
+    assert got["parameters"][1:6] == ["k_cache", "v_cache", "k_new", "v_new", "v_cache_t"], got
+
+
+def kernel_parameters() -> dict:
+    """The Hopper kernel's parameter names, and how many tensors and scalars a launch passes and the names of its
+    constexprs."""
+    from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
+
+    names = list(hopper_prefill_kernel.arg_names)
+    problem = make_problem(SPEC.replace(layout="split"))
+    s = problem_shape(problem)
+    call = kernel_call(problem, hopper_config(s), s)
+    tensors, scalars = len(call.tensors), len(call.scalars)
+    return {"parameters": names, "tensors": names[:tensors], "scalars": names[tensors:tensors + scalars],
+            "constexprs": list(call.constexprs)}
+
+
+def test_every_routes_register_split_fits_the_sm():
+    """``setmaxnreg`` takes multiples of 8 from 24 to 256 per thread, and the producer's and the two consumer
+    warpgroups' threads share the SM's 65,536 registers: so under every schedule of every route the kernel takes,
+    and every flag a caller may add."""
+    from pagedprefill_sm80.hopper.schedule import kernel_schedule
+
+    for layout in ("nhd", "split"):
+        for head_size in (64, 96, 128, 256):
+            for cache in ("auto", "fp8_e4m3"):
+                for workload in ({}, dict(num_tokens=4096, num_seqs=2, max_query_len=2048)):
+                    s = dataclasses.replace(shape(layout=layout, head_size=head_size, kv_cache_dtype=cache),
+                                            **workload)
+                    config = hopper_config(s)
+                    if shape_unfit_reason(s, config, H200.max_shared_mem) is not None:
+                        continue
+                    for asked in ({}, dict(WIDE_PRODUCER=True), dict(KEY_LOADS=True, WIDE_KEY_CHUNKS=True),
+                                  dict(KEY_LOADS=False, WIDE_PRODUCER=False), dict(PINGPONG=False)):
+                        got = kernel_schedule(resolve(s, config, asked), s, config)
+                        where = (layout, head_size, cache, workload, asked, got)
+                        for regs in (got.PRODUCER_REGS, got.CONSUMER_REGS):
+                            assert regs % 8 == 0 and 24 <= regs <= 256, where
+                        assert got.PRODUCER_WARPS in (1, 4), where
+                        assert 32 * got.PRODUCER_WARPS * got.PRODUCER_REGS + 256 * got.CONSUMER_REGS <= 65536, where
+
+
+def test_the_policy_and_the_schedule_import_without_triton():
+    """The policy decides a call's kernel, tile and schedule flags without compiling anything, so a process that
+    only asks (``pagedprefill info``, a serving engine's planner) does not import Triton for it."""
+    # torch's CUDA builds may import Triton themselves: only what the policy adds counts.
+    proc = run_child("import sys, torch\n"
+                     "loaded = lambda: {m for m in sys.modules if m == 'triton' or m.startswith('triton.')}\n"
+                     "before = loaded()\n"
+                     "import pagedprefill_sm80.policy, pagedprefill_sm80.hopper.schedule\n"
+                     "print('TRITON', sorted(loaded() - before))")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "TRITON []" in proc.stdout, proc.stdout[-2000:]
+
+
 #: Calls compiled for sm90 by :func:`test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma`.
 COMPILED = {
     "d128": {}, "d64": {"head_size": 64}, "d256": {"head_size": 256},
+    # One query head per KV head: the group size, an argument equal to 1, reaches the kernel as a constant.
+    "mha": {"num_kv_heads": 8}, "split-mha": {"layout": "split", "num_kv_heads": 8},
     "block64": {"block_size": 64}, "block8": {"block_size": 8},
     "features": {"sliding_window": 20, "alibi": True, "softcap": 10.0, "sinks": True, "fp8_out_scale": 0.5},
     "vllm-options": {"kv_in_cache": True, "causal": False, "skip_decode": True},
@@ -139,15 +261,10 @@ COMPILED = {
 
 #: Schedules each :data:`COMPILED` call is compiled with.
 SCHEDULES = {
-    "heavy-first": dict(HEAVY_FIRST=True, PINGPONG=False, TURNS=False),
-    "in-order": dict(HEAVY_FIRST=False, PINGPONG=False, TURNS=False),
-    "pingpong": dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=False),
-    "pingpong-turns": dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=True),
-    "pingpong-overlap-turns": dict(HEAVY_FIRST=True, PINGPONG=True, TURNS=True, OVERLAP=True),
-    "pingpong-vt-copies": dict(HEAVY_FIRST=True, PINGPONG=True, VT_COPIES=True),
+    "heavy-first": dict(HEAVY_FIRST=True, PINGPONG=False),
+    "in-order": dict(HEAVY_FIRST=False, PINGPONG=False),
+    "pingpong": dict(HEAVY_FIRST=True, PINGPONG=True),
     "pingpong-wide-producer": dict(HEAVY_FIRST=True, PINGPONG=True, WIDE_PRODUCER=True),
-    "pingpong-producer-widens": dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=True),
-    "pingpong-consumers-widen": dict(HEAVY_FIRST=True, PINGPONG=True, PRODUCER_WIDENS=False),
     "pingpong-key-loads": dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=True),
     "pingpong-key-loads-values-first": dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=True, VALUES_FIRST=True),
     "pingpong-key-loads-early-keys": dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=True, VALUES_FIRST=True,
@@ -155,43 +272,35 @@ SCHEDULES = {
 }
 
 
-#: The flags the policy sets per route (:func:`pagedprefill_sm80.policy.hopper_schedule`), off unless a schedule
-#: of :data:`SCHEDULES` names them.
+#: The flags the policy sets per route (:func:`pagedprefill_sm80.hopper.schedule.route_flags`), off unless a
+#: schedule of :data:`SCHEDULES` names them.
 POLICY_FLAGS_OFF = dict(KEY_LOADS=False, VALUES_FIRST=False, WIDE_KEY_CHUNKS=False, EARLY_KEYS=False,
                         FP8_BOXES=False, WIDEN_TO_V=False)
 
 
 def compile_summaries() -> dict:
-    """Codegen summary of each :data:`COMPILED` call under each of :data:`SCHEDULES`, with the launch's warps."""
-    from dataclasses import replace
-
+    """Codegen summary of each :data:`COMPILED` call under each of :data:`SCHEDULES` on the policy's tile, with
+    the launch's warps."""
     from pagedprefill.triton.codegen import compile_call, summarize
     from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
-    from pagedprefill_sm80.hopper.launch import shared_bytes
 
     out = {}
     for name, changes in COMPILED.items():
         problem = make_problem(SPEC.replace(**changes))
         s = problem_shape(problem)
+        config = hopper_config(s)
+        if s.layout == "split" and config.block_n > 64 and changes.get("alibi"):
+            # On the split layout's 128-key tiles the ALiBi slopes' registers spill under every ping-pong
+            # schedule (split-d96-features: 60 bytes with the copies, 12 with 32-key chunks of key loads): the
+            # schedules are compared on the 64-key tile in 3 stages instead.
+            config = config.with_(block_n=64, num_stages=3)
         for label, schedule in SCHEDULES.items():
             # Each label names the whole schedule: the policy's own flags for a route do not reach it.
             schedule = {**POLICY_FLAGS_OFF, **schedule}
-            config = hopper_config(s)
-            if shared_bytes(s, config, schedule) > H200.max_shared_mem:
-                # A schedule that cannot hold the policy's tile (an FP8 cache with each consumer widening its
-                # own copy: 360 KiB for 128 keys; the split layout's FP8 cache beside a V^T ring: 289 KiB) is
-                # compiled with the 64 keys it held before.
-                config = replace(config, block_n=64)
-            if s.layout == "split" and s.workload == "short" and config.block_n > 64:
-                # The split layout's short calls at head size 128 take 128-key tiles since run 12, where the
-                # schedules that are off spill (OVERLAP 32 bytes, 320 with TURNS; VT_COPIES 4): the schedules are
-                # compared here on the 64-key tiles those calls took before. The policy's 128-key tile of these
-                # calls is compiled by test_wide_key_chunks_compile_for_sm90_without_spills.
-                config = replace(config, block_n=64, num_stages=3)
             call = kernel_call(problem, config, s, schedule=schedule)
             summary = summarize(compile_call(hopper_prefill_kernel, call, 90), 90).to_dict()
             out[f"{name}/{label}"] = {**summary, "launch_warps": call.options["num_warps"],
-                                      "tile_warps": call.constexprs["NUM_WARPS"], "block_n": config.block_n,
+                                      "tile_warps": call.constexprs["TILE"].NUM_WARPS, "block_n": config.block_n,
                                       "modelled_shared": shared_bytes(s, config, schedule)}
     return out
 
@@ -210,42 +319,33 @@ def test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma():
     for name, summary in summaries.items():
         assert summary["warp_specialized"] and summary["setmaxnreg"] > 0, name
         assert summary["wgmma"] > 0 and summary["mma_sync"] == 0, name
-        # TMA boxes for every call but a split one whose values are copied and whose new K/V are in the cache.
-        assert summary["tma_copies"] > 0 or (name.startswith("split-vllm") and name.endswith("vt-copies")), name
-        # Split-layout keys have no TMA view: 16-byte asynchronous copies by the producer warp (under key-loads,
+        # TMA boxes for every call: the NHD cache, the split layout's value pages, or the new tokens' K/V.
+        assert summary["tma_copies"] > 0, name
+        # Split-layout keys have no TMA view: 16-byte asynchronous copies by the producer (under key-loads,
         # loads and stores; an FP8 cache's values are copies still).
         copied = name.startswith("split") and ("fp8" in name or "/pingpong-key-loads" not in name)
         assert (summary["async_copies"] > 0) == copied, name
         assert summary["spill_bytes"] in (0, None), name
         assert summary["shared_bytes"] <= H200.max_shared_mem, name
-        # The policy's shared-memory model (for the default, ping-pong schedule) bounds what Triton allocated,
-        # and is exact but for its 1 KiB allowance for the barriers under that schedule.
+        # The policy's shared-memory model bounds what Triton allocated, and is exact but for its 1 KiB
+        # allowance for the barriers under the default, ping-pong schedule.
         if summary["shared_bytes"] is not None:
             assert summary["shared_bytes"] <= summary["modelled_shared"], name
-            if name.endswith(("/pingpong", "/pingpong-producer-widens")):
+            if name.endswith("/pingpong"):
                 assert summary["modelled_shared"] - summary["shared_bytes"] <= 1024, name
         # No instruction touches registers an asynchronous warpgroup MMA still owns (P of an in-flight P V).
         assert summary["wgmma_hazards"] in (0, None), name
     for call in COMPILED:
         plain, pingpong = summaries[f"{call}/heavy-first"], summaries[f"{call}/pingpong"]
-        copies = summaries[f"{call}/pingpong-vt-copies"]
         wide = summaries[f"{call}/pingpong-wide-producer"]
         fp8 = "kv_cache_dtype" in COMPILED[call]
-        if call.startswith("split") and fp8:
-            # An FP8 cache's values come by 16-byte copies already, widened by a producer warpgroup, into a
-            # V^T ring of their own: those two schedules change nothing.
-            assert copies == pingpong == wide, call
-        elif call.startswith("split"):  # the cached values by 16-byte copies too, and no value box left
-            assert copies["tma_copies"] < pingpong["tma_copies"], call
-            if COMPILED[call].get("head_size", 128) <= 128:
-                assert copies["async_copies"] == 2 * pingpong["async_copies"], call
-                # Four producer warps: each thread issues a quarter of the key copies.
-                assert 4 * wide["async_copies"] == pingpong["async_copies"], call
-            else:  # head size 256: the producer is a warpgroup already (a [256, 32] V^T tile copies by rows)
-                assert copies["async_copies"] > pingpong["async_copies"], call
-                assert wide == pingpong, call
-        else:  # nothing to copy differently in the NHD layout
-            assert copies == pingpong == wide, call
+        if call.startswith("split") and not fp8 and COMPILED[call].get("head_size", 128) <= 128:
+            # Four producer warps instead of one: each thread issues a quarter of the key copies.
+            assert 4 * wide["async_copies"] == pingpong["async_copies"], call
+        else:
+            # The producer is a warpgroup already (an FP8 cache, which it widens; head size 256, where one warp
+            # spills its copy addresses), or there is nothing to copy (NHD is all TMA): the flag changes nothing.
+            assert wide == pingpong, call
         key_loads = summaries[f"{call}/pingpong-key-loads"]
         if call.startswith("split"):
             # The keys by loads and stores of a producer warpgroup: fewer copies (an FP8 cache's values only),
@@ -260,33 +360,11 @@ def test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma():
             assert values_first["tma_copies"] > 0, call
         else:  # an FP8 cache's values are copies, not boxes; NHD has no key loads
             assert values_first == key_loads, call
-        widened = summaries[f"{call}/pingpong-producer-widens"]
-        own_copies = summaries[f"{call}/pingpong-consumers-widen"]
-        assert widened == pingpong, call  # the default schedule
-        if call.startswith("split") and fp8:  # widened by the producer under every schedule
-            assert own_copies == pingpong, call
-        elif fp8:
-            # Widened once by the producer warpgroup: no consumer copies, a third less shared memory for a tile,
-            # or room for twice the keys per step.
-            if widened["block_n"] == own_copies["block_n"]:
-                assert widened["shared_bytes"] < own_copies["shared_bytes"], call
-                assert widened["wgmma"] <= own_copies["wgmma"], call
-            else:
-                assert own_copies["block_n"] < widened["block_n"], call
-        else:  # nothing to widen
-            assert own_copies == pingpong, call
         if plain["tile_warps"] == 8:
             # Two consumer partitions of one warpgroup each, each with its own MMAs; the launch is the first's.
             assert pingpong["launch_warps"] == 4 and pingpong["wgmma"] == 2 * plain["wgmma"], call
-            assert summaries[f"{call}/pingpong-turns"]["wgmma"] == pingpong["wgmma"], call
-            overlapped = summaries[f"{call}/pingpong-overlap-turns"]
-            if fp8:  # FP8 tiles are widened before their MMAs: no OVERLAP
-                assert overlapped == summaries[f"{call}/pingpong-turns"], call
-            else:  # the spare Q K^T of the overlapped loop's prologue: one more MMA per consumer
-                assert overlapped["wgmma"] > pingpong["wgmma"], call
-        else:  # one warpgroup holds the whole tile: nothing to split, no one to take turns with
-            assert pingpong == plain == summaries[f"{call}/pingpong-turns"], call
-            assert summaries[f"{call}/pingpong-overlap-turns"]["wgmma"] > plain["wgmma"], call
+        else:  # one warpgroup holds the whole tile: nothing to split
+            assert pingpong == plain, call
 
 
 def test_codegen_report_shows_the_hopper_kernel(tmp_path):
@@ -367,10 +445,23 @@ def child_result(function: str):
     return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
 
 
+def _flat(arguments: tuple) -> list:
+    """A kernel's tensor arguments with its groups (core's named tuples, or the plain tuples of a later call)
+    flattened into their fields, in signature order."""
+    return [field for arg in arguments for field in (arg if isinstance(arg, tuple) else (arg,))]
+
+
+def _address(t: torch.Tensor) -> tuple:
+    """What a launch reads of a plain tensor argument: its address, with the shape, strides and element size that
+    make it the same argument of the signature. (An FP8 cache is its ``uint8`` bytes in core's tensor groups of a
+    later call, and the float8 view of them at the first: the same address.)"""
+    return t.data_ptr(), t.shape, t.stride(), t.element_size()
+
+
 def check_rebuilt_arguments():
     import dataclasses
 
-    from pagedprefill_sm80.hopper.launch import DESCRIPTORS, _Arguments, call_tensors, resolve_schedule
+    from pagedprefill_sm80.hopper.launch import DESCRIPTORS, _Arguments, call_tensors_of
 
     # An FP8 cache is described through views of its bytes as FP8: rebuilt with that type, not the bytes'
     # (under FP8_BOXES the split layout's key cache too).
@@ -380,17 +471,19 @@ def check_rebuilt_arguments():
                            ({"layout": "nhd", "head_size": 96}, {})):
         first = make_problem(SPEC.replace(**changes))
         config = hopper_config(problem_shape(first))
-        schedule = resolve_schedule(problem_shape(first), config, flags)
-        arguments = _Arguments(first, call_tensors(first, config, schedule))
+        flags = resolve(problem_shape(first), config, flags)
+        arguments = _Arguments(first, call_tensors_of(first, config, flags))
         later = make_problem(SPEC.replace(**changes, seed=7))
-        got, want = arguments(later), call_tensors(later, config, schedule)
+        got, want = arguments(later), call_tensors_of(later, config, flags)
         assert len(got) == len(want)
         for g, w in zip(got[DESCRIPTORS], want[DESCRIPTORS]):
             assert (g.base.data_ptr(), g.base.dtype, g.shape, g.strides, g.block_shape, g.layout) == \
                 (w.base.data_ptr(), w.base.dtype, w.shape, w.strides, w.block_shape, w.layout)
-        # The plain tensors as a fresh launch passes them (an FP8 split cache: a fresh view of the same bytes).
-        assert all((g.data_ptr(), g.dtype, g.shape, g.stride()) == (w.data_ptr(), w.dtype, w.shape, w.stride())
-                   for i, (g, w) in enumerate(zip(got, want)) if i not in range(2, 7))
+        # The tensor groups around the descriptors, field by field, as a fresh launch passes them.
+        groups = [i for i in range(len(want)) if i not in range(DESCRIPTORS.start, DESCRIPTORS.stop)]
+        got_plain, want_plain = _flat([got[i] for i in groups]), _flat([want[i] for i in groups])
+        assert len(got_plain) == len(want_plain) and all(isinstance(w, torch.Tensor) for w in want_plain)
+        assert [_address(g) for g in got_plain] == [_address(w) for w in want_plain], changes
         again = arguments(later)
         assert all(a is b for a, b in zip(again[DESCRIPTORS], got[DESCRIPTORS]))
         shifted = torch.empty(later.k.numel() + 8, dtype=later.k.dtype)[1:1 + later.k.numel()].view(later.k.shape)
@@ -418,9 +511,10 @@ class _RecordingEncoder:
 
 
 def _same_arguments(got: list, want: list) -> bool:
-    """Whether two launches' flat argument lists agree (tensors by address, shape, strides and dtype)."""
+    """Whether two launches' argument lists agree, their tensor groups flattened (tensors by :func:`_address`)."""
     def key(a):
-        return (a.data_ptr(), a.shape, a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
+        return _address(a) if isinstance(a, torch.Tensor) else a
+    got, want = _flat(got), _flat(want)
     return len(got) == len(want) and all(key(g) == key(w) for g, w in zip(got, want))
 
 
@@ -469,22 +563,44 @@ def check_encoded_launch():
             assert encoder.calls - before == moved, (changes, moved, encoder.calls - before)
             run.launch(*head[:5], False, False, None, None, *head[5:], *fresh.tensors, *fresh.scalars)
             assert _same_arguments(launched[-2], launched[-1]), changes
-        # Where the launcher is built otherwise, the plan keeps Triton's path.
-        assert EncodedLauncher.of(compiled, range(1, 6)) is None
+        # Where the launcher is built otherwise (the descriptors elsewhere), the plan keeps Triton's path.
+        assert EncodedLauncher.of(compiled, range(positions.start + 1, positions.stop + 1)) is None
         for changed in ({"global_scratch_size": 128}, {"launch": lambda *a: None}):
             assert EncodedLauncher.of(types.SimpleNamespace(run=types.SimpleNamespace(**{**vars(run), **changed})),
                                       positions) is None
 
 
 def test_schedule_flags_parse_by_name():
-    from pagedprefill_sm80.hopper.launch import SCHEDULE, parse_schedule
-
-    assert parse_schedule("") == {}
-    assert parse_schedule("PINGPONG=1, TURNS=0") == {"PINGPONG": True, "TURNS": False}
-    assert set(parse_schedule(",".join(f"{name}=1" for name in SCHEDULE))) == set(SCHEDULE)
+    assert parse("") == {}
+    assert parse("PINGPONG=1, EARLY_KEYS=0") == {"PINGPONG": True, "EARLY_KEYS": False}
+    assert set(parse(",".join(f"{name}=1" for name in DEFAULTS))) == set(DEFAULTS)
     for bad in ("PINGPONG", "PINGPONG=yes", "PING=1"):
         with pytest.raises(ValueError, match=f"schedule: expected NAME=0 or NAME=1 .*got '{bad}'"):
-            parse_schedule(bad)
+            parse(bad)
+
+
+#: Flags of schedules that measured slower than the kernel's, or level with it, and were removed with their code.
+REMOVED_FLAGS = ("TURNS", "OVERLAP", "VT_COPIES", "THREAD_ARRIVALS", "NEW_VALUES_T", "PRODUCER_WIDENS")
+
+
+@pytest.mark.parametrize("name", REMOVED_FLAGS)
+def test_a_removed_schedule_flag_from_the_environment_is_refused_by_name(monkeypatch, name):
+    """``PAGEDPREFILL_SM80_SCHEDULE`` naming a flag the kernel does not have (here those of removed schedules,
+    which scripts and notes may still set) fails every resolution (the environment's, the launch's, the
+    shared-memory model's), naming the variable, the flag and the flags there are: ignored, it would have a run
+    time or check the default schedule under another schedule's name."""
+    assert name not in DEFAULTS
+    with pytest.raises(ValueError, match=f"schedule: expected NAME=0 or NAME=1 .*got '{name}=0'"):
+        parse(f"{name}=0")
+    monkeypatch.setenv(SCHEDULE_ENV, f"PINGPONG=1,{name}=1")
+    split = shape(layout="split")
+    expected = f"^{SCHEDULE_ENV}: schedule: expected NAME=0 or NAME=1 with NAME one of {', '.join(DEFAULTS)}, " \
+               f"got '{name}=1'$"
+    for resolution in (from_environment, lambda: resolve(split, hopper_config(split)),
+                       lambda: shared_bytes(split, hopper_config(split)),
+                       lambda: kernel_call(make_problem(SPEC.replace(layout="split")), hopper_config(split), split)):
+        with pytest.raises(ValueError, match=expected):
+            resolution()
 
 
 def test_auto_leaves_a_route_not_yet_run_on_a_gpu_to_the_portable_kernel(monkeypatch):
@@ -502,24 +618,62 @@ def test_auto_leaves_a_route_not_yet_run_on_a_gpu_to_the_portable_kernel(monkeyp
 
 
 def test_auto_takes_the_split_layouts_fp8_cache(monkeypatch):
-    """It passed the suites on the H200 and measured faster than the portable kernel (run 9)."""
+    """It passed the suites on the H200 and measured faster than the portable kernel."""
     monkeypatch.delenv(KERNEL_ENV, raising=False)
     assert choose_kernel(shape(kv_cache_dtype="fp8_e4m3", layout="split"), H200) == \
         ("hopper", "the Hopper kernel takes this shape and is the faster one")
 
 
 def test_flags_that_do_not_apply_to_a_call_are_dropped_for_the_launch_and_the_memory_model():
-    """``resolve_schedule`` is what the launch compiles and what ``shared_bytes`` counts: the split layout's
-    FP8 cache is widened by the producer under every schedule, and not overlapped."""
-    from pagedprefill_sm80.hopper.launch import resolve_schedule, shared_bytes
+    """``resolve`` is what the launch compiles and what ``shared_bytes`` counts: flags a call's layout or cache
+    cannot take are dropped from both (the V ring that ``WIDEN_TO_V`` would fill takes a 16-bit cache's values
+    by boxes of V^T pages, which the model counts as a ring of their own)."""
+    from pagedprefill_sm80.hopper.schedule import kernel_schedule
 
-    split_fp8 = shape(kv_cache_dtype="fp8_e4m3", layout="split")
-    config = hopper_config(split_fp8)
-    odd = dict(PRODUCER_WIDENS=False, OVERLAP=True)
-    flags = resolve_schedule(split_fp8, config, odd)
-    assert (flags["PRODUCER_WIDENS"], flags["OVERLAP"]) == (True, False)
-    assert shared_bytes(split_fp8, config, odd) == shared_bytes(split_fp8, config)
-    assert resolve_schedule(shape(layout="split"), config, odd)["OVERLAP"]  # a 16-bit cache takes it
+    odd = dict(WIDE_PRODUCER=True, KEY_LOADS=True, VALUES_FIRST=True, WIDE_KEY_CHUNKS=True, EARLY_KEYS=True,
+               F32_WIDENING=True, FP8_BOXES=True, WIDEN_TO_V=True)
+    nhd = shape()
+    config = hopper_config(nhd)
+    flags = resolve(nhd, config, odd)
+    assert not any(flags[name] for name in odd), flags  # NHD reads by TMA boxes only, a 16-bit cache widens none
+    assert flags == resolve(nhd, config) and shared_bytes(nhd, config, odd) == shared_bytes(nhd, config)
+    problem = make_problem(SPEC)
+    assert kernel_call(problem, config, nhd, odd).constexprs == kernel_call(problem, config, nhd).constexprs
+    split = shape(layout="split")
+    n64 = hopper_config(split).with_(block_n=64, num_stages=3)
+    for name in ("F32_WIDENING", "FP8_BOXES", "WIDEN_TO_V"):  # an FP8 cache's only
+        assert not resolve(split, n64, {name: True})[name], name
+    assert shared_bytes(split, n64, dict(WIDEN_TO_V=True)) == shared_bytes(split, n64) > shared_bytes(nhd, n64)
+    split_fp8 = shape(layout="split", kv_cache_dtype="fp8_e4m3")
+    flags = resolve(split_fp8, hopper_config(split_fp8), odd)
+    # The producer widens an FP8 cache's tiles through its own ring: no value boxes to issue first, no room in
+    # its registers for wider chunks of key loads, or for loading them early.
+    assert flags["KEY_LOADS"] and not (flags["VALUES_FIRST"] or flags["WIDE_KEY_CHUNKS"] or flags["EARLY_KEYS"])
+    assert kernel_schedule(flags, split_fp8, hopper_config(split_fp8)).KEY_LOADS == 32
+
+
+def test_an_fp8_cache_is_widened_by_a_producer_warpgroup_under_every_schedule():
+    """The producer warpgroup widens each FP8 tile once into the 16-bit ring both consumers read, on both layouts
+    and whatever the schedule asks for: four producer warps with the registers of a 16-byte slice of each tile
+    (two 64-key chunks of key loads are a 16-bit cache's only), the rest to the consumers, within the SM's
+    registers. A 16-bit NHD cache keeps one producer warp, which only issues TMA boxes."""
+    from pagedprefill_sm80.hopper.schedule import WIDENING_CONSUMER_REGS, WIDENING_PRODUCER_REGS
+
+    for layout in ("nhd", "split"):
+        for cache in ("fp8_e4m3", "fp8_e5m2"):
+            problem = make_problem(SPEC.replace(layout=layout, kv_cache_dtype=cache))
+            s = problem_shape(problem)
+            for schedule in ({}, dict(WIDE_PRODUCER=False, KEY_LOADS=False), dict(PINGPONG=False),
+                             dict(KEY_LOADS=True, WIDE_KEY_CHUNKS=True), dict(WIDE_PRODUCER=True)):
+                call = kernel_call(problem, hopper_config(s), s, schedule)
+                got = call.constexprs["SCHEDULE"]
+                assert call.constexprs["LAYOUT"].FP8_CACHE, (layout, cache)
+                assert (got.PRODUCER_WARPS, got.PRODUCER_REGS, got.CONSUMER_REGS) == \
+                    (4, WIDENING_PRODUCER_REGS, WIDENING_CONSUMER_REGS), (layout, cache, schedule)
+    assert 128 * WIDENING_PRODUCER_REGS + 256 * WIDENING_CONSUMER_REGS <= 65536
+    problem = make_problem(SPEC)
+    call = kernel_call(problem, hopper_config(shape()), shape())
+    assert call.constexprs["SCHEDULE"].PRODUCER_WARPS == 1 and not call.constexprs["LAYOUT"].FP8_CACHE
 
 
 def test_key_loads_apply_to_split_tiles_of_at_least_32_keys_with_a_warpgroups_registers(monkeypatch):
@@ -527,47 +681,46 @@ def test_key_loads_apply_to_split_tiles_of_at_least_32_keys_with_a_warpgroups_re
     narrower tiles, and the launch gives that warpgroup the registers of one that widens FP8 tiles."""
     from dataclasses import replace
 
-    from pagedprefill_sm80.hopper.launch import (
-        WIDENING_CONSUMER_REGS,
-        WIDENING_PRODUCER_REGS,
-        resolve_schedule,
-    )
+    from pagedprefill_sm80.hopper.schedule import WIDENING_CONSUMER_REGS, WIDENING_PRODUCER_REGS
 
     split = shape(layout="split")
     config = hopper_config(split).with_(block_n=64, num_stages=3)  # one 32-key chunk's registers
     asked = dict(KEY_LOADS=True)
-    assert resolve_schedule(split, config, asked)["KEY_LOADS"]
-    assert not resolve_schedule(shape(), hopper_config(shape()), asked)["KEY_LOADS"]
-    assert not resolve_schedule(split, replace(config, block_n=16), asked)["KEY_LOADS"]
-    assert not resolve_schedule(split, config, dict(KEY_LOADS=False))["KEY_LOADS"]
+    assert resolve(split, config, asked)["KEY_LOADS"]
+    assert not resolve(shape(), hopper_config(shape()), asked)["KEY_LOADS"]
+    assert not resolve(split, replace(config, block_n=16), asked)["KEY_LOADS"]
+    assert not resolve(split, config, dict(KEY_LOADS=False))["KEY_LOADS"]
     # Value boxes first: with key loads only, and only where the values are boxes.
     first = dict(KEY_LOADS=True, VALUES_FIRST=True)
-    assert resolve_schedule(split, config, first)["VALUES_FIRST"]
-    assert not resolve_schedule(split, config, dict(KEY_LOADS=False, VALUES_FIRST=True))["VALUES_FIRST"]
-    assert not resolve_schedule(split, config, dict(first, VT_COPIES=True))["VALUES_FIRST"]
+    assert resolve(split, config, first)["VALUES_FIRST"]
+    assert not resolve(split, config, dict(KEY_LOADS=False, VALUES_FIRST=True))["VALUES_FIRST"]
     split_fp8 = shape(layout="split", kv_cache_dtype="fp8_e4m3")
-    assert not resolve_schedule(split_fp8, hopper_config(split_fp8), first)["VALUES_FIRST"]
+    assert not resolve(split_fp8, hopper_config(split_fp8), first)["VALUES_FIRST"]
     call = kernel_call(make_problem(SPEC.replace(layout="split")), config, split, asked)
-    assert call.constexprs["KEY_LOADS"]
-    assert (call.constexprs["PRODUCER_REGS"], call.constexprs["CONSUMER_REGS"]) == \
-        (WIDENING_PRODUCER_REGS, WIDENING_CONSUMER_REGS)
+    got = call.constexprs["SCHEDULE"]
+    assert got.KEY_LOADS == 32 and got.PRODUCER_WARPS == 4
+    assert (got.PRODUCER_REGS, got.CONSUMER_REGS) == (WIDENING_PRODUCER_REGS, WIDENING_CONSUMER_REGS)
+    copies = kernel_call(make_problem(SPEC.replace(layout="split")), config, split, dict(KEY_LOADS=False))
+    assert copies.constexprs["SCHEDULE"].KEY_LOADS == 0 and copies.constexprs["SCHEDULE"].PRODUCER_WARPS == 1
 
 
 def test_the_policy_reads_split_16_bit_caches_with_key_loads(monkeypatch):
-    """Where they measured faster (runs 10-11): ``KEY_LOADS`` and ``VALUES_FIRST`` on the split layout's 16-bit
-    cache at head sizes 128 and 256 on every tile, and at head sizes 64 and 96 on tiles of more than 64 keys
-    (every split tile of theirs since run 13), the copies elsewhere; the environment and a caller's flags
-    override the policy's, and ``info``'s reason names the flags."""
-    from pagedprefill_sm80.hopper.launch import SCHEDULE, resolve_schedule
+    """Where they measured faster than the 16-byte copies: ``KEY_LOADS`` and ``VALUES_FIRST`` on the split
+    layout's 16-bit cache at head sizes 128 and 256 on every tile, and at head sizes 64 and 96 on tiles of more
+    than 64 keys (which the policy gives every split call of theirs), the copies elsewhere; the policy's flags
+    are :func:`route_flags`' for its tile, the environment and a caller's flags override them, and ``info``'s
+    reason names the flags."""
     from pagedprefill_sm80.policy import hopper_schedule
 
-    assert not SCHEDULE["KEY_LOADS"] and not SCHEDULE["VALUES_FIRST"]  # the kernel's own defaults stay off
+    assert not DEFAULTS["KEY_LOADS"] and not DEFAULTS["VALUES_FIRST"]  # the kernel's own defaults stay off
     for head_size in (64, 96, 128, 256):
         for layout, cache in (("split", "auto"), ("split", "fp8_e4m3"), ("nhd", "auto")):
             if cache != "auto" and head_size > 128:
                 continue  # the Hopper kernel reads FP8 caches up to head size 128
             s = shape(layout=layout, head_size=head_size, kv_cache_dtype=cache)
-            flags = resolve_schedule(s, hopper_config(s))
+            flags = resolve(s, hopper_config(s))
+            assert hopper_schedule(s) == route_flags(s, hopper_config(s).block_n), (layout, head_size, cache)
+            assert hopper_schedule(s, block_n=64) == route_flags(s, 64), (layout, head_size, cache)
             taken = layout == "split" and cache == "auto"
             assert (flags["KEY_LOADS"], flags["VALUES_FIRST"]) == (taken, taken), (layout, head_size, cache)
             assert bool(hopper_schedule(s).get("KEY_LOADS")) == taken
@@ -585,21 +738,21 @@ def test_the_policy_reads_split_16_bit_caches_with_key_loads(monkeypatch):
             assert kernel == "hopper" or not taken
     split = shape(layout="split")
     config = hopper_config(split)
-    assert not resolve_schedule(split, config, dict(VALUES_FIRST=False))["VALUES_FIRST"]
+    assert not resolve(split, config, dict(VALUES_FIRST=False))["VALUES_FIRST"]
     monkeypatch.setenv(SCHEDULE_ENV, "KEY_LOADS=0")
-    assert not resolve_schedule(split, config)["KEY_LOADS"]
+    assert not resolve(split, config)["KEY_LOADS"]
     call = kernel_call(make_problem(SPEC.replace(layout="split")), config, split)
-    assert not call.constexprs["KEY_LOADS"] and not call.constexprs["VALUES_FIRST"]
+    assert not call.constexprs["SCHEDULE"].KEY_LOADS and not call.constexprs["SCHEDULE"].VALUES_FIRST
     monkeypatch.delenv(SCHEDULE_ENV)
     call = kernel_call(make_problem(SPEC.replace(layout="split")), config, split)
-    assert call.constexprs["KEY_LOADS"] and call.constexprs["VALUES_FIRST"]
+    assert call.constexprs["SCHEDULE"].KEY_LOADS and call.constexprs["SCHEDULE"].VALUES_FIRST
 
 
 def test_the_policy_reads_128_key_split_tiles_with_64_key_chunks_at_head_sizes_64_to_256():
-    """Run 11: long calls of the split layout's 16-bit cache (128-key tiles) take ``KEY_LOADS``,
-    ``VALUES_FIRST`` and ``WIDE_KEY_CHUNKS`` at head sizes 64, 96 and 128; head size 256 (32-key tiles) keeps
-    32-key chunks, an FP8 cache the copies, NHD none of them; ``info`` names what the tile takes."""
-    from pagedprefill_sm80.hopper.launch import resolve_schedule
+    """Long calls of the split layout's 16-bit cache (128-key tiles) take ``KEY_LOADS``, ``VALUES_FIRST`` and
+    ``WIDE_KEY_CHUNKS`` at head sizes 64, 96 and 128 (a whole tile in flight in two chunks: faster than four
+    32-key chunks); head size 256 (32-key tiles) keeps 32-key chunks, an FP8 cache its page boxes, NHD none of
+    them; ``info`` names what the tile takes."""
     from pagedprefill_sm80.policy import hopper_schedule
 
     names = ("KEY_LOADS", "VALUES_FIRST", "WIDE_KEY_CHUNKS", "EARLY_KEYS")
@@ -611,7 +764,7 @@ def test_the_policy_reads_128_key_split_tiles_with_64_key_chunks_at_head_sizes_6
                                     num_tokens=4096, num_seqs=2, max_query_len=2048)
             assert s.workload == "long"
             config = Sm80Backend().tile_config(s, H200)
-            flags = resolve_schedule(s, config)
+            flags = resolve(s, config)
             split16 = layout == "split" and cache == "auto"
             expected = (split16, split16, split16 and head_size <= 128, split16 and head_size <= 128)
             assert tuple(flags[n] for n in names) == expected, (layout, head_size, cache, config)
@@ -625,12 +778,11 @@ def test_the_policy_reads_128_key_split_tiles_with_64_key_chunks_at_head_sizes_6
 
 
 def test_split_short_calls_take_128_key_tiles_at_head_sizes_64_to_128():
-    """Runs 12-13: the split layout's short calls of a 16-bit cache at head sizes 64, 96 and 128 take 128 keys in
-    a 2-deep ring, with 64-key chunks of loads issued early (many short at head size 128: 379.8 vs 367.6 TFLOP/s
-    on 64-key tiles; 64: 284.6 vs 244.9; 96: 323.5 vs 278.2); an FP8 cache keeps its 64-key tiles (128 keys with
-    its values widened into the V ring were 0.97 x in run 15); the tile fits an sm90 GPU."""
-    from pagedprefill_sm80.hopper.launch import resolve_schedule, shape_unfit_reason
-
+    """The split layout's short calls of a 16-bit cache at head sizes 64, 96 and 128 take 128 keys in a 2-deep
+    ring, with 64-key chunks of loads issued early, where they measured faster than 64-key tiles on the H200
+    (many short at head size 128: 379.8 vs 367.6 TFLOP/s; 64: 284.6 vs 244.9; 96: 323.5 vs 278.2); an FP8 cache
+    keeps its 64-key tiles (128 keys with its values widened into the V ring measured 0.97 x); the tile fits an
+    sm90 GPU."""
     for head_size, cache, expected in ((128, "auto", (128, 2)), (64, "auto", (128, 2)), (96, "auto", (128, 2)),
                                        (128, "fp8_e4m3", (64, 2))):
         s = shape(layout="split", head_size=head_size, kv_cache_dtype=cache)
@@ -639,7 +791,7 @@ def test_split_short_calls_take_128_key_tiles_at_head_sizes_64_to_128():
         assert (config.kernel, config.block_n, config.num_stages) == ("hopper", *expected), (head_size, cache)
         assert shape_unfit_reason(s, config, H200.max_shared_mem) is None
         if cache == "auto":
-            flags = resolve_schedule(s, config)
+            flags = resolve(s, config)
             assert all(flags[n] for n in ("KEY_LOADS", "VALUES_FIRST", "WIDE_KEY_CHUNKS", "EARLY_KEYS")), flags
 
 
@@ -670,9 +822,8 @@ def compile_split_short_tiles() -> dict:
 
 
 def test_head_size_64_nhd_long_calls_take_256_keys_in_3_stages():
-    """Run 11: 256 keys per step in a 3-deep ring at head size 64 (NHD, long calls), 1.07 x over 128 keys; the
-    shipped table's tuned entry agrees, and ``pagedprefill tune`` offers the tile."""
-    from pagedprefill_sm80.hopper.launch import shape_unfit_reason
+    """256 keys per step in a 3-deep ring at head size 64 (NHD, long calls), where it measured 1.07 x over 128
+    keys; the shipped table's tuned entry agrees, and ``pagedprefill tune`` offers the tile."""
     from pagedprefill_sm80.policy import hopper_search_space
 
     s = dataclasses.replace(shape(head_size=64), num_tokens=4096, num_seqs=2, max_query_len=2048)
@@ -688,27 +839,24 @@ def test_head_size_64_nhd_long_calls_take_256_keys_in_3_stages():
 def test_wide_key_chunks_apply_to_16_bit_split_tiles_of_more_than_64_keys(monkeypatch):
     """``WIDE_KEY_CHUNKS`` loads 64 keys per chunk: the kernel takes the chunk as ``KEY_LOADS``, and its producer
     the registers of two such chunks."""
-    from pagedprefill_sm80.hopper.launch import (
-        WIDE_CHUNK_CONSUMER_REGS,
-        WIDE_CHUNK_PRODUCER_REGS,
-        resolve_schedule,
-    )
+    from pagedprefill_sm80.hopper.schedule import WIDE_CHUNK_CONSUMER_REGS, WIDE_CHUNK_PRODUCER_REGS, Schedule
 
     split = shape(layout="split")
     n128 = hopper_config(split).with_(block_n=128, num_stages=2)
     wide = dict(WIDE_KEY_CHUNKS=True)
-    assert resolve_schedule(split, n128, wide)["WIDE_KEY_CHUNKS"]
-    assert not resolve_schedule(split, n128, dict(wide, KEY_LOADS=False))["WIDE_KEY_CHUNKS"]
-    assert not resolve_schedule(split, n128.with_(block_n=64, num_stages=3), wide)["WIDE_KEY_CHUNKS"]
+    assert resolve(split, n128, wide)["WIDE_KEY_CHUNKS"]
+    assert not resolve(split, n128, dict(wide, KEY_LOADS=False))["WIDE_KEY_CHUNKS"]
+    assert not resolve(split, n128.with_(block_n=64, num_stages=3), wide)["WIDE_KEY_CHUNKS"]
     split_fp8 = shape(layout="split", kv_cache_dtype="fp8_e4m3")
-    assert not resolve_schedule(split_fp8, n128, dict(wide, KEY_LOADS=True))["WIDE_KEY_CHUNKS"]
+    assert not resolve(split_fp8, n128, dict(wide, KEY_LOADS=True))["WIDE_KEY_CHUNKS"]
     problem = make_problem(SPEC.replace(layout="split"))
-    call = kernel_call(problem, n128, split, wide)
-    assert call.constexprs["KEY_LOADS"] == 64 and "WIDE_KEY_CHUNKS" not in call.constexprs
-    assert (call.constexprs["PRODUCER_REGS"], call.constexprs["CONSUMER_REGS"]) == \
-        (WIDE_CHUNK_PRODUCER_REGS, WIDE_CHUNK_CONSUMER_REGS)
-    assert kernel_call(problem, n128, split).constexprs["KEY_LOADS"] == 64  # the policy's, on 128-key tiles
-    assert kernel_call(problem, n128, split, dict(WIDE_KEY_CHUNKS=False)).constexprs["KEY_LOADS"] == 32
+    got = kernel_call(problem, n128, split, wide).constexprs["SCHEDULE"]
+    assert got.KEY_LOADS == 64 and "WIDE_KEY_CHUNKS" not in Schedule._fields
+    assert (got.PRODUCER_REGS, got.CONSUMER_REGS) == (WIDE_CHUNK_PRODUCER_REGS, WIDE_CHUNK_CONSUMER_REGS)
+    assert 128 * WIDE_CHUNK_PRODUCER_REGS + 256 * WIDE_CHUNK_CONSUMER_REGS <= 65536
+    # The policy's, on 128-key tiles.
+    assert kernel_call(problem, n128, split).constexprs["SCHEDULE"].KEY_LOADS == 64
+    assert kernel_call(problem, n128, split, dict(WIDE_KEY_CHUNKS=False)).constexprs["SCHEDULE"].KEY_LOADS == 32
 
 
 def test_wide_key_chunks_compile_for_sm90_without_spills():
@@ -726,7 +874,7 @@ def compile_wide_key_chunks() -> dict:
 
     from pagedprefill.triton.codegen import compile_call, summarize
     from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
-    from pagedprefill_sm80.hopper.launch import WIDE_CHUNK_CONSUMER_REGS, WIDE_CHUNK_PRODUCER_REGS
+    from pagedprefill_sm80.hopper.schedule import WIDE_CHUNK_CONSUMER_REGS, WIDE_CHUNK_PRODUCER_REGS
 
     problem = make_problem(SPEC.replace(layout="split"))
     s = problem_shape(problem)
@@ -743,29 +891,27 @@ def test_early_keys_apply_where_the_producer_loads_a_tile_in_one_or_two_chunks()
     """``EARLY_KEYS`` needs the split layout's key loads of a 16-bit cache, and a tile of at most two chunks (the
     registers the loads hold anyway): the policy's 128-key tiles (64-key chunks), 64-key tiles (32) and head size
     256's 32-key tiles; not 128-key tiles in 32-key chunks, an FP8 cache, NHD, or the copies."""
-    from pagedprefill_sm80.hopper.launch import resolve_schedule
 
     early = dict(EARLY_KEYS=True)
     split = shape(layout="split")
     n128 = hopper_config(split).with_(block_n=128, num_stages=2)
     n64 = hopper_config(split).with_(block_n=64, num_stages=3)
-    assert resolve_schedule(split, n128, early)["EARLY_KEYS"]  # the policy's 64-key chunks
-    assert resolve_schedule(split, n64, early)["EARLY_KEYS"]  # two chunks of 32
-    assert not resolve_schedule(split, n128, dict(early, WIDE_KEY_CHUNKS=False))["EARLY_KEYS"]  # four of 32
-    assert not resolve_schedule(split, n128, dict(early, KEY_LOADS=False))["EARLY_KEYS"]
+    assert resolve(split, n128, early)["EARLY_KEYS"]  # the policy's 64-key chunks
+    assert resolve(split, n64, early)["EARLY_KEYS"]  # two chunks of 32
+    assert not resolve(split, n128, dict(early, WIDE_KEY_CHUNKS=False))["EARLY_KEYS"]  # four of 32
+    assert not resolve(split, n128, dict(early, KEY_LOADS=False))["EARLY_KEYS"]
     d256 = shape(layout="split", head_size=256)
-    assert resolve_schedule(d256, hopper_config(d256), early)["EARLY_KEYS"]
+    assert resolve(d256, hopper_config(d256), early)["EARLY_KEYS"]
     fp8 = shape(layout="split", kv_cache_dtype="fp8_e4m3")
-    assert not resolve_schedule(fp8, hopper_config(fp8), dict(early, KEY_LOADS=True))["EARLY_KEYS"]
-    assert not resolve_schedule(shape(), hopper_config(shape()), early)["EARLY_KEYS"]
-    assert not resolve_schedule(split, n128, dict(EARLY_KEYS=False))["EARLY_KEYS"]  # a caller turns it off
+    assert not resolve(fp8, hopper_config(fp8), dict(early, KEY_LOADS=True))["EARLY_KEYS"]
+    assert not resolve(shape(), hopper_config(shape()), early)["EARLY_KEYS"]
+    assert not resolve(split, n128, dict(EARLY_KEYS=False))["EARLY_KEYS"]  # a caller turns it off
 
 
 def test_the_policy_loads_split_keys_early_up_to_head_size_128():
-    """Run 12: the split layout's key loads of a 16-bit cache are issued before their buffer is free at head
-    sizes 64, 96 and 128, on long (128-key) and short (64-key) tiles; not at head size 256 (0.985 x), not with
-    an FP8 cache or in the NHD layout; the environment turns it off."""
-    from pagedprefill_sm80.hopper.launch import resolve_schedule
+    """The split layout's key loads of a 16-bit cache are issued before their buffer is free at head sizes 64, 96
+    and 128 (1.03-1.09 x on the split rows), on the policy's tiles of long and short calls; not at head size 256
+    (0.985 x), not with an FP8 cache or in the NHD layout."""
     from pagedprefill_sm80.policy import hopper_schedule
 
     for head_size in (64, 96, 128, 256):
@@ -777,7 +923,7 @@ def test_the_policy_loads_split_keys_early_up_to_head_size_128():
                 s = dataclasses.replace(shape(layout=layout, head_size=head_size, kv_cache_dtype=cache), **changes)
                 assert s.workload == workload
                 config = Sm80Backend().tile_config(s, H200)
-                early = resolve_schedule(s, config)["EARLY_KEYS"]
+                early = resolve(s, config)["EARLY_KEYS"]
                 expected = layout == "split" and cache == "auto" and head_size <= 128 and config.block_n > 32 \
                     and (head_size == 128 or config.block_n > 64)
                 assert early == expected, (head_size, workload, layout, cache, config)
@@ -823,24 +969,24 @@ def ptx_code(compiled) -> list:
 
 def test_f32_widening_applies_where_the_producer_widens_fp8_tiles_to_bfloat16():
     """``F32_WIDENING`` needs the producer's widening of an FP8 cache (both layouts) and a bfloat16 call: not
-    float16 (one packed conversion from FP8 already), a 16-bit cache, or the consumers' own widening; on unless
-    asked off (run 13: 1.50 x NHD, 1.26 x split on the FP8 row), and in the launch's constexprs."""
-    from pagedprefill_sm80.hopper.launch import resolve_schedule
+    float16 (one packed conversion from FP8 already) or a 16-bit cache; on unless asked off (1.50 x NHD, 1.26 x
+    split on the FP8 row: the direct widening's scalar conversions take the exponentials' pipe), and in the
+    launch's constexprs."""
 
     f32 = dict(F32_WIDENING=True)
     for layout in ("nhd", "split"):
         fp8 = shape(layout=layout, kv_cache_dtype="fp8_e4m3")
         config = hopper_config(fp8)
-        assert resolve_schedule(fp8, config)["F32_WIDENING"], layout  # on by default since run 13
-        assert not resolve_schedule(fp8, config, dict(F32_WIDENING=False))["F32_WIDENING"], layout
+        assert resolve(fp8, config)["F32_WIDENING"], layout  # on by default
+        assert not resolve(fp8, config, dict(F32_WIDENING=False))["F32_WIDENING"], layout
         half = shape(layout=layout, kv_cache_dtype="fp8_e4m3", dtype=torch.float16)
-        assert not resolve_schedule(half, hopper_config(half), f32)["F32_WIDENING"], layout
-        assert not resolve_schedule(shape(layout=layout), hopper_config(shape(layout=layout)), f32)["F32_WIDENING"]
+        assert not resolve(half, hopper_config(half), f32)["F32_WIDENING"], layout
+        assert not resolve(shape(layout=layout), hopper_config(shape(layout=layout)), f32)["F32_WIDENING"]
     fp8 = shape(kv_cache_dtype="fp8_e4m3")
-    assert not resolve_schedule(fp8, hopper_config(fp8), dict(f32, PRODUCER_WIDENS=False))["F32_WIDENING"]
     problem = make_problem(SPEC.replace(kv_cache_dtype="fp8_e4m3"))
-    assert kernel_call(problem, hopper_config(fp8), fp8).constexprs["F32_WIDENING"]
-    assert not kernel_call(problem, hopper_config(fp8), fp8, dict(F32_WIDENING=False)).constexprs["F32_WIDENING"]
+    assert kernel_call(problem, hopper_config(fp8), fp8).constexprs["SCHEDULE"].F32_WIDENING
+    direct = kernel_call(problem, hopper_config(fp8), fp8, dict(F32_WIDENING=False))
+    assert not direct.constexprs["SCHEDULE"].F32_WIDENING
 
 
 def test_f32_widening_compiles_for_sm90_without_scalar_conversions():
@@ -881,96 +1027,24 @@ def compile_f32_widening() -> dict:
     return out
 
 
-def test_new_values_transposed_apply_to_the_split_layouts_16_bit_cache_and_free_its_third_ring(monkeypatch):
-    """``NEW_VALUES_T`` (off: run 14 measured it) applies to the split layout's 16-bit cache only (not NHD or an
-    FP8 cache); without the new tokens' V ring a split tile takes NHD's shared memory, so head
-    size 256 fits 64 keys in 2 stages and head size 128 fits 128 keys in 3 on an H200; the launch's constexprs
-    carry it, and a token stride the producer's 32-bit offsets cannot span is refused by name."""
-    from pagedprefill_sm80.hopper.launch import SCHEDULE, resolve_schedule, shape_unfit_reason, shared_bytes
-
-    assert not SCHEDULE["NEW_VALUES_T"]
-    flag = dict(NEW_VALUES_T=True)
-    split = shape(layout="split")
-    assert resolve_schedule(split, hopper_config(split), flag)["NEW_VALUES_T"]
-    assert not resolve_schedule(split, hopper_config(split))["NEW_VALUES_T"]
-    for other in (shape(layout="nhd"), shape(layout="split", kv_cache_dtype="fp8_e4m3")):
-        assert not resolve_schedule(other, hopper_config(other), flag)["NEW_VALUES_T"]
-    for head_size, tile in ((256, dict(block_n=64, num_stages=2)), (128, dict(block_n=128, num_stages=3))):
-        s = shape(layout="split", head_size=head_size)
-        config = hopper_config(s).with_(**tile)
-        assert shared_bytes(s, config, flag) == shared_bytes(shape(layout="nhd", head_size=head_size), config)
-        assert shared_bytes(s, config, flag) <= H200.max_shared_mem < shared_bytes(s, config), (head_size, tile)
-    s256 = shape(layout="split", head_size=256)
-    n64 = hopper_config(s256).with_(block_n=64, num_stages=2)
-    assert "up to 32 keys per step" in shape_unfit_reason(s256, n64, H200.max_shared_mem)
-    monkeypatch.setenv(SCHEDULE_ENV, "NEW_VALUES_T=1")
-    assert shape_unfit_reason(s256, n64, H200.max_shared_mem) is None
-    monkeypatch.delenv(SCHEDULE_ENV)
-    problem = make_problem(SPEC.replace(layout="split"))
-    assert kernel_call(problem, hopper_config(split), split, flag).constexprs["NEW_VALUES_T"]
-    # Head size 256's 64-key tile: the producer holds a chunk of new values beside the next one's loads.
-    from pagedprefill_sm80.hopper.launch import NEW_VALUES_CONSUMER_REGS, NEW_VALUES_PRODUCER_REGS
-
-    p256 = make_problem(SPEC.replace(layout="split", head_size=256))
-    call = kernel_call(p256, n64, problem_shape(p256), flag)
-    assert (call.constexprs["PRODUCER_REGS"], call.constexprs["CONSUMER_REGS"]) == \
-        (NEW_VALUES_PRODUCER_REGS, NEW_VALUES_CONSUMER_REGS)
-    assert 128 * NEW_VALUES_PRODUCER_REGS + 256 * NEW_VALUES_CONSUMER_REGS <= 65536
-    # One token of v whose token stride times the tile's keys passes 2**31 (no storage behind the stride).
-    v = problem.v
-    wide = torch.empty_strided((1, *v.shape[1:]), (2**31 // 64, v.stride(1), v.stride(2)), dtype=v.dtype)
-    one = dataclasses.replace(make_problem(SPEC.replace(layout="split", query_lens=(1,), context_lens=(90,))),
-                              v=wide)
-    with pytest.raises(ValueError, match="NEW_VALUES_T: v's token stride"):
-        kernel_call(one, hopper_config(split), problem_shape(one), flag)
-
-
-def test_new_values_transposed_compile_for_sm90_with_two_rings():
-    """The split layout's head size 256 on 64 keys in 2 stages under ``NEW_VALUES_T`` (the tile it makes room
-    for; 32 keys beside three rings otherwise) and head size 64 on the policy's tile: warpgroup MMAs, no spills,
-    and the shared memory the model counts without a V ring."""
-    summaries = child_result("compile_new_values_transposed")
-    assert sorted(summaries) == ["256", "64"], summaries
-    for head_size, summary in summaries.items():
-        assert summary["spill_bytes"] in (0, None) and summary["wgmma"] > 0, (head_size, summary)
-        assert summary["model_bytes"] - 1024 <= summary["shared_bytes"] <= summary["model_bytes"], summary
-
-
-def compile_new_values_transposed() -> dict:
-    """Codegen summaries (and the shared-memory model's bytes) of split calls under ``NEW_VALUES_T``: head size
-    256 on 64 keys in 2 stages, head size 64 on the policy's tile."""
-    from pagedprefill.triton.codegen import compile_call, summarize
-    from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
-    from pagedprefill_sm80.hopper.launch import shared_bytes
-
-    flag = dict(NEW_VALUES_T=True)
-    out = {}
-    for head_size, tile in ((256, dict(block_n=64, num_stages=2)), (64, {})):
-        problem = make_problem(SPEC.replace(layout="split", head_size=head_size, query_lens=(400, 300),
-                                            context_lens=(500, 0)))
-        s = problem_shape(problem)
-        config = hopper_config(s).with_(**tile)
-        compiled = compile_call(hopper_prefill_kernel, kernel_call(problem, config, s, flag), 90)
-        out[str(head_size)] = {**summarize(compiled, 90).to_dict(), "model_bytes": shared_bytes(s, config, flag)}
-    return out
-
-
 def test_fp8_boxes_apply_to_the_split_layouts_fp8_cache_at_full_head_sizes():
-    """``FP8_BOXES`` (the policy's since run 14, off in the kernel's own defaults) applies to the split layout's
-    FP8 cache at head sizes that fill the tile (not 96, whose padded columns the boxes would leave unwritten), and
-    the launch's constexprs carry it; a key cache the boxes cannot describe (not contiguous from its block
-    dimension in) takes the 16-byte copies, and building its descriptors with the boxes is refused by name."""
-    from pagedprefill_sm80.hopper.launch import SCHEDULE, call_tensors, resolve_schedule
-
-    assert not SCHEDULE["FP8_BOXES"]
+    """``FP8_BOXES`` (the policy's for the split layout's FP8 cache, off in the kernel's own defaults) applies to
+    the split layout's FP8 cache at head sizes that fill the tile (not 96, whose padded columns the boxes would
+    leave unwritten), and the launch's constexprs carry it with a descriptor of the key cache by pages; a key
+    cache the boxes cannot describe (not contiguous from its block dimension in) takes the 16-byte copies, with
+    no such descriptor."""
+    assert not DEFAULTS["FP8_BOXES"]
     split8 = shape(layout="split", kv_cache_dtype="fp8_e4m3")
-    assert resolve_schedule(split8, hopper_config(split8))["FP8_BOXES"]
-    assert not resolve_schedule(split8, hopper_config(split8), dict(FP8_BOXES=False))["FP8_BOXES"]
+    assert resolve(split8, hopper_config(split8))["FP8_BOXES"]
+    assert not resolve(split8, hopper_config(split8), dict(FP8_BOXES=False))["FP8_BOXES"]
     for other in (shape(layout="split"), shape(layout="nhd", kv_cache_dtype="fp8_e4m3"),
                   shape(layout="split", kv_cache_dtype="fp8_e4m3", head_size=96)):
-        assert not resolve_schedule(other, hopper_config(other), dict(FP8_BOXES=True))["FP8_BOXES"], other
+        assert not resolve(other, hopper_config(other), dict(FP8_BOXES=True))["FP8_BOXES"], other
     problem = make_problem(SPEC.replace(layout="split", kv_cache_dtype="fp8_e4m3"))
-    assert kernel_call(problem, hopper_config(split8), split8).constexprs["FP8_BOXES"]
+    call = kernel_call(problem, hopper_config(split8), split8)
+    k_cache, v_cache_t = call.tensors[1], call.tensors[5]  # the descriptors' first and last
+    assert call.constexprs["SCHEDULE"].FP8_BOXES and k_cache.base.data_ptr() == problem.cache.key.data_ptr()
+    assert v_cache_t.base.data_ptr() == problem.cache.value.data_ptr()
     # Every other block of a larger cache: the 16-byte copies take it, the boxes' view does not.
     key = problem.cache.key
     wider = torch.empty((2 * key.shape[0], *key.shape[1:]), dtype=key.dtype)[::2]
@@ -978,10 +1052,9 @@ def test_fp8_boxes_apply_to_the_split_layouts_fp8_cache_at_full_head_sizes():
     strided = dataclasses.replace(problem, cache=dataclasses.replace(problem.cache, key=wider))
     assert unfit_reason(strided, hopper_config(split8)) is None
     call = kernel_call(strided, hopper_config(split8), split8)
-    assert not call.constexprs["FP8_BOXES"] and call.constexprs["FP8_CACHE"]
-    boxes = resolve_schedule(split8, hopper_config(split8))
-    with pytest.raises(ValueError, match="FP8_BOXES: key_cache must be contiguous"):
-        call_tensors(strided, hopper_config(split8), boxes)
+    assert not call.constexprs["SCHEDULE"].FP8_BOXES and call.constexprs["LAYOUT"].FP8_CACHE
+    assert call.tensors[1] is call.tensors[5]  # a placeholder: the keys are copied from cache.key
+    assert call.tensors[6].key.data_ptr() == wider.data_ptr() and call.tensors[6].key.dtype == torch.float8_e4m3fn
 
 
 def test_fp8_boxes_compile_for_sm90_with_tma_boxes_instead_of_copies():
@@ -1017,35 +1090,32 @@ def test_widen_to_v_applies_to_the_split_layouts_fp8_cache_and_frees_its_vt_ring
     """``WIDEN_TO_V`` (off in the kernel's own defaults) applies to the split layout's FP8 cache only; without the
     V^T ring a split FP8 tile takes NHD's shared memory, so 128 keys in 2 stages fit on an H200 (they do not beside
     a V^T ring), and the launch's constexprs carry it."""
-    from pagedprefill_sm80.hopper.launch import SCHEDULE, resolve_schedule, shape_unfit_reason, shared_bytes
-
-    assert not SCHEDULE["WIDEN_TO_V"]
+    assert not DEFAULTS["WIDEN_TO_V"]
     flag, off = dict(WIDEN_TO_V=True), dict(WIDEN_TO_V=False)
     for head_size in (64, 96, 128):
         split8 = shape(layout="split", kv_cache_dtype="fp8_e4m3", head_size=head_size)
         n64 = hopper_config(split8).with_(block_n=64, num_stages=2)
-        assert resolve_schedule(split8, n64, flag)["WIDEN_TO_V"]
-        assert not resolve_schedule(split8, n64, off)["WIDEN_TO_V"]
+        assert resolve(split8, n64, flag)["WIDEN_TO_V"]
+        assert not resolve(split8, n64, off)["WIDEN_TO_V"]
         n128 = n64.with_(block_n=128)
         nhd8 = shape(layout="nhd", kv_cache_dtype="fp8_e4m3", head_size=head_size)
         assert shared_bytes(split8, n128, flag) == shared_bytes(nhd8, n128)
     assert shared_bytes(split8, n128, flag) <= H200.max_shared_mem < shared_bytes(split8, n128, off)
     assert shape_unfit_reason(split8, n128, H200.max_shared_mem) is None  # the policy's flags for the tile
     for other in (shape(layout="split"), shape(layout="nhd", kv_cache_dtype="fp8_e4m3")):
-        assert not resolve_schedule(other, hopper_config(other), flag)["WIDEN_TO_V"], other
+        assert not resolve(other, hopper_config(other), flag)["WIDEN_TO_V"], other
     problem = make_problem(SPEC.replace(layout="split", kv_cache_dtype="fp8_e4m3"))
     s = problem_shape(problem)
     n128 = hopper_config(s).with_(block_n=128, num_stages=2)
-    assert kernel_call(problem, n128, s).constexprs["WIDEN_TO_V"]  # the policy's flags on 128-key tiles
-    assert not kernel_call(problem, n128.with_(block_n=64), s).constexprs["WIDEN_TO_V"]
+    assert kernel_call(problem, n128, s).constexprs["SCHEDULE"].WIDEN_TO_V  # the policy's flags on 128-key tiles
+    assert not kernel_call(problem, n128.with_(block_n=64), s).constexprs["SCHEDULE"].WIDEN_TO_V
 
 
 def test_the_policy_widens_split_fp8_values_into_the_v_ring():
-    """Run 15: the split layout's FP8 cache at head sizes 64 and 128, long calls, takes 128 keys in 2 stages with
-    its cached values widened into the V ring (374.5 vs 365.1 TFLOP/s on the FP8 row against 64 keys beside a
-    V^T ring); short calls (0.97 x) and head size 96, whose padded head takes the copies, keep 64 keys beside the
-    V^T ring, as does any tile of 64 keys (a caller's or a table's: 0.94 x there)."""
-    from pagedprefill_sm80.hopper.launch import resolve_schedule, shape_unfit_reason
+    """The split layout's FP8 cache at head sizes 64 and 128, long calls, takes 128 keys in 2 stages with its
+    cached values widened into the V ring, where it measured faster (374.5 vs 365.1 TFLOP/s on the FP8 row against
+    64 keys beside a V^T ring); short calls (0.97 x) and head size 96, whose padded head takes the copies, keep 64
+    keys beside the V^T ring, as does any tile of 64 keys (a caller's or a table's: 0.94 x there)."""
     from pagedprefill_sm80.policy import hopper_schedule
 
     for head_size in (64, 96, 128):
@@ -1058,7 +1128,7 @@ def test_the_policy_widens_split_fp8_values_into_the_v_ring():
             wide = full and s is long
             assert (config.block_n, config.num_stages) == ((128, 2) if wide else (64, 2)), s
             assert shape_unfit_reason(s, config, H200.max_shared_mem) is None
-            flags = resolve_schedule(s, config)
+            flags = resolve(s, config)
             assert (flags["FP8_BOXES"], flags["WIDEN_TO_V"]) == (full, wide), s
             assert not hopper_schedule(s, 64).get("WIDEN_TO_V")
             assert hopper_schedule(s, 64).get("FP8_BOXES", False) == full
@@ -1082,7 +1152,6 @@ def compile_widen_to_v() -> dict:
     in 2 stages, at head sizes 128 (the page boxes) and 96 (the copies)."""
     from pagedprefill.triton.codegen import compile_call, summarize
     from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
-    from pagedprefill_sm80.hopper.launch import shared_bytes
 
     flag = dict(WIDEN_TO_V=True)
     out = {}
@@ -1096,35 +1165,20 @@ def compile_widen_to_v() -> dict:
     return out
 
 
-def assert_off_by_default_and_on_every_route_when_asked(name: str) -> None:
-    """The schedule flag ``name`` is off in the kernel's defaults and the policy's, and on for both layouts and
-    cache formats when a caller asks for it."""
-    from pagedprefill_sm80.hopper.launch import SCHEDULE, resolve_schedule
-
-    assert not SCHEDULE[name]
-    for layout in ("nhd", "split"):
-        for cache in ("auto", "fp8_e4m3"):
-            s = shape(layout=layout, kv_cache_dtype=cache)
-            assert resolve_schedule(s, hopper_config(s), {name: True})[name], (name, layout, cache)
-            assert not resolve_schedule(s, hopper_config(s))[name], (name, layout, cache)
-
-
 def test_fused_scale_is_on_for_every_route_and_reaches_the_launch():
     """``FUSED_SCALE`` is on in the kernel's defaults and so on every route, both layouts and cache formats (the
     kernel leaves it aside for calls with softcap or ALiBi); a caller can turn it off, and the launch's constexprs
     carry it."""
-    from pagedprefill_sm80.hopper.launch import SCHEDULE, resolve_schedule
-
-    assert SCHEDULE["FUSED_SCALE"]
+    assert DEFAULTS["FUSED_SCALE"]
     for layout in ("nhd", "split"):
         for cache in ("auto", "fp8_e4m3"):
             s = shape(layout=layout, kv_cache_dtype=cache)
-            assert resolve_schedule(s, hopper_config(s))["FUSED_SCALE"], (layout, cache)
-            assert not resolve_schedule(s, hopper_config(s), dict(FUSED_SCALE=False))["FUSED_SCALE"], (layout, cache)
+            assert resolve(s, hopper_config(s))["FUSED_SCALE"], (layout, cache)
+            assert not resolve(s, hopper_config(s), dict(FUSED_SCALE=False))["FUSED_SCALE"], (layout, cache)
     problem = make_problem(SPEC)
     s = problem_shape(problem)
-    assert kernel_call(problem, hopper_config(s), s).constexprs["FUSED_SCALE"]
-    assert not kernel_call(problem, hopper_config(s), s, dict(FUSED_SCALE=False)).constexprs["FUSED_SCALE"]
+    assert kernel_call(problem, hopper_config(s), s).constexprs["SCHEDULE"].FUSED_SCALE
+    assert not kernel_call(problem, hopper_config(s), s, dict(FUSED_SCALE=False)).constexprs["SCHEDULE"].FUSED_SCALE
 
 
 def test_fused_scale_takes_a_multiply_per_key_off_the_softmax():
@@ -1170,52 +1224,6 @@ def compile_fused_scale() -> Optional[dict]:
     return out
 
 
-def test_thread_arrivals_apply_where_the_consumers_hand_back_after_their_mmas():
-    """``THREAD_ARRIVALS`` (off by default: level in run 13) applies on both layouts, 16-bit and FP8 caches that
-    the producer widens; not where each consumer widens its own FP8 copies (their hand-back follows the barrier
-    the widening needs), and the launch's constexprs carry it."""
-    from pagedprefill_sm80.hopper.launch import resolve_schedule
-
-    assert_off_by_default_and_on_every_route_when_asked("THREAD_ARRIVALS")
-    arrivals = dict(THREAD_ARRIVALS=True)
-    fp8 = shape(kv_cache_dtype="fp8_e4m3")
-    assert not resolve_schedule(fp8, hopper_config(fp8), dict(arrivals, PRODUCER_WIDENS=False))["THREAD_ARRIVALS"]
-    problem = make_problem(SPEC)
-    assert kernel_call(problem, hopper_config(shape()), shape(), arrivals).constexprs["THREAD_ARRIVALS"]
-
-
-def test_thread_arrivals_compile_for_sm90_with_one_barrier_less_per_consumer():
-    """Per-thread hand-backs on the policy's NHD tile: no spills, an asynchronous-copy arrival in each of the
-    two consumers instead of their one-thread arrival, and one warp barrier less in each."""
-    summary = child_result("compile_thread_arrivals")
-    assert summary["spill_bytes"] in (0, None) and summary["wgmma"] > 0, summary
-    assert (summary["thread_arrivals"], summary["one_thread_arrivals"]) == (2, 0), summary
-    assert (summary["default_thread_arrivals"], summary["default_one_thread_arrivals"]) == (0, 2), summary
-    assert summary["barriers"] == summary["default_barriers"] - 2, summary
-
-
-def compile_thread_arrivals() -> dict:
-    """Codegen summary of the policy's NHD call under ``THREAD_ARRIVALS``, with the PTX's counts of warp barriers,
-    per-thread (asynchronous-copy) arrivals and one-thread arrivals, under it and under the default."""
-    import re
-
-    from pagedprefill.triton.codegen import compile_call, summarize
-    from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
-
-    def counts(compiled, prefix=""):
-        code = "\n".join(ptx_code(compiled))
-        return {prefix + "barriers": len(re.findall(r"\b(?:bar|barrier)\.sync\b", code)),
-                prefix + "thread_arrivals": len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc", code)),
-                prefix + "one_thread_arrivals": len(re.findall(r"mbarrier\.arrive\.shared::cta", code))}
-
-    problem = make_problem(SPEC)
-    s = problem_shape(problem)
-    config = hopper_config(s)
-    per_thread = compile_call(hopper_prefill_kernel, kernel_call(problem, config, s, dict(THREAD_ARRIVALS=True)), 90)
-    default = compile_call(hopper_prefill_kernel, kernel_call(problem, config, s, dict(THREAD_ARRIVALS=False)), 90)
-    return {**summarize(per_thread, 90).to_dict(), **counts(per_thread), **counts(default, "default_")}
-
-
 def test_256_key_tiles_at_head_size_64_compile_for_sm90_without_spills():
     """Candidates for head size 64 (``hopper_check.py``'s ``pingpong-n256-*`` variants): 256 keys per step in 3
     stages on NHD, and in 2 stages on the split layout with a producer warpgroup (one producer warp spills the
@@ -1231,11 +1239,10 @@ def compile_256_key_tiles() -> dict:
     """Codegen summaries of head size 64 with 256 keys per step, per layout, with the modelled shared memory."""
     from pagedprefill.triton.codegen import compile_call, summarize
     from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
-    from pagedprefill_sm80.hopper.launch import shared_bytes
 
     out = {}
-    # The split layout's keys by 16-byte copies, as timed in run 11 (the policy's 64-key chunks of loads, which
-    # it gives 128-key tiles, spill 100 bytes at 256 keys).
+    # The split layout's keys by 16-byte copies, as hopper_check.py's variants run them (the policy's 64-key
+    # chunks of loads, which it gives 128-key tiles, spill 100 bytes at 256 keys).
     for layout, stages, schedule in (("nhd", 3, {}), ("split", 2, dict(WIDE_PRODUCER=True, KEY_LOADS=False))):
         problem = make_problem(SPEC.replace(layout=layout, head_size=64))
         s = problem_shape(problem)
@@ -1246,22 +1253,26 @@ def compile_256_key_tiles() -> dict:
     return out
 
 
-def test_schedule_flags_from_the_environment_sit_between_the_default_and_the_callers(monkeypatch):
-    from pagedprefill_sm80.hopper.launch import resolve_schedule
-
+def test_schedule_flags_from_the_environment_sit_between_the_policys_and_the_callers(monkeypatch):
+    """``PAGEDPREFILL_SM80_SCHEDULE`` overrides the kernel's defaults and the policy's flags for the route, and a
+    caller's flags override it."""
     split = shape(layout="split")
     config = hopper_config(split)
-    monkeypatch.setenv(SCHEDULE_ENV, "KEY_LOADS=1, HEAVY_FIRST=0")
-    flags = resolve_schedule(split, config)
-    assert flags["KEY_LOADS"] and not flags["HEAVY_FIRST"]
-    assert not resolve_schedule(split, config, dict(KEY_LOADS=False))["KEY_LOADS"]
+    assert route_flags(split, config.block_n)["KEY_LOADS"] and DEFAULTS["HEAVY_FIRST"]
+    monkeypatch.setenv(SCHEDULE_ENV, "KEY_LOADS=0, HEAVY_FIRST=0")
+    assert from_environment() == dict(KEY_LOADS=False, HEAVY_FIRST=False)
+    flags = resolve(split, config)
+    assert not flags["KEY_LOADS"] and not flags["HEAVY_FIRST"]
+    assert resolve(split, config, dict(KEY_LOADS=True))["KEY_LOADS"]
+    monkeypatch.delenv(SCHEDULE_ENV)
+    assert from_environment() == {}
     monkeypatch.setenv(SCHEDULE_ENV, "KEY_LOADS=yes")
     with pytest.raises(ValueError, match=f"{SCHEDULE_ENV}: schedule: expected NAME=0 or NAME=1 .*got 'KEY_LOADS=yes'"):
-        resolve_schedule(split, config)
+        resolve(split, config)
 
 
 def test_auto_takes_the_split_layouts_head_sizes_96_and_256(monkeypatch):
-    """They passed the suites on the H200 and measured faster than the portable kernel (run 8)."""
+    """They passed the suites on the H200 and measured faster than the portable kernel."""
     monkeypatch.delenv(KERNEL_ENV, raising=False)
     for head_size in (96, 256):
         assert choose_kernel(shape(head_size=head_size, layout="split"), H200) == \

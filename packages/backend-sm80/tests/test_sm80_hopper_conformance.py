@@ -7,12 +7,13 @@ kernel does not take, so here each case that keeps the suite's default head size
 and dtypes, on the Hopper kernel wherever those allow it. ``test_sm80_conformance.py`` runs the cases as
 written on the portable kernel.
 
-``PAGEDPREFILL_TEST_HOPPER_SCHEDULE`` (e.g. ``PINGPONG=1,TURNS=1``) runs the suite with those schedule flags of
-the kernel over its defaults (:data:`pagedprefill_sm80.hopper.launch.SCHEDULE`) and the policy's per-route flags:
-added to ``PAGEDPREFILL_SM80_SCHEDULE``, which sets them for any process. ``PAGEDPREFILL_TEST_HOPPER_TILE`` (e.g.
-``block_n=128,num_stages=2``) changes the policy's Hopper tile of every call where the changed tile fits, so
-that the suite's short calls also run a tile the policy gives long ones (and the schedule flags of its route);
-the backend remembers its tiles per process, so run the class alone with it set.
+``PAGEDPREFILL_TEST_HOPPER_SCHEDULE`` (e.g. ``PINGPONG=0,FUSED_SCALE=0``) runs the suite with those schedule
+flags of the kernel over its defaults (:data:`pagedprefill_sm80.hopper.schedule.DEFAULTS`) and the policy's
+per-route flags: added to ``PAGEDPREFILL_SM80_SCHEDULE``, which sets them for any process.
+``PAGEDPREFILL_TEST_HOPPER_TILE`` (e.g. ``block_n=128,num_stages=2``) changes the policy's Hopper tile of every
+call where the changed tile fits, so that the suite's short calls also run a tile the policy gives long ones
+(and the schedule flags of its route); the backend remembers its tiles per process, so run the class alone with
+it set.
 """
 
 import os
@@ -25,6 +26,7 @@ from pagedprefill.testing.cases import BASE
 from pagedprefill.workloads import BatchSpec
 from pagedprefill_sm80 import policy
 from pagedprefill_sm80.hopper import launch
+from pagedprefill_sm80.hopper import schedule as hopper_schedule
 from pagedprefill_sm80.policy import KERNEL_ENV
 
 SCHEDULE_ENV = "PAGEDPREFILL_TEST_HOPPER_SCHEDULE"
@@ -47,7 +49,7 @@ def changed_hopper_config(changes: dict, rule=policy.hopper_config):
     def config(shape):
         tile = rule(shape)
         changed = tile.with_(**changes)
-        return changed if launch.shape_unfit_reason(shape, changed, 227 * 1024) is None else tile
+        return changed if hopper_schedule.shape_unfit_reason(shape, changed, 227 * 1024) is None else tile
     return config
 
 
@@ -68,10 +70,10 @@ class TestSm80HopperConformance(ConformanceSuite):
     def hopper_kernel(self, monkeypatch):
         monkeypatch.setenv(KERNEL_ENV, "hopper")
         flags = os.environ.get(SCHEDULE_ENV, "")
-        launch.parse_schedule(flags)  # a bad flag fails here, naming it
+        hopper_schedule.parse(flags)  # a bad flag fails here, naming it
         if flags:
-            monkeypatch.setenv(launch.SCHEDULE_ENV,
-                               ",".join(filter(None, (os.environ.get(launch.SCHEDULE_ENV), flags))))
+            monkeypatch.setenv(hopper_schedule.SCHEDULE_ENV,
+                               ",".join(filter(None, (os.environ.get(hopper_schedule.SCHEDULE_ENV), flags))))
         changes = tile_changes(os.environ.get(TILE_ENV, ""))
         if changes:
             # The backend remembers its tiles for the process: run this class alone with the variable set.
@@ -116,7 +118,7 @@ class TestSm80HopperConformance(ConformanceSuite):
         shape = problem_shape(problem)
         config = get_registry().get(self.backend).tile_config(shape, info)
         call = launch.kernel_call(problem, config, shape)
-        assert config.kernel == "hopper" and not call.constexprs["FP8_BOXES"], (config, call.constexprs)
+        assert config.kernel == "hopper" and not call.constexprs["SCHEDULE"].FP8_BOXES, (config, call.constexprs)
         out = self.run_backend(problem, pagedprefill_device)
         atol, rtol = self.tolerances[spec.dtype]
         assert_matches_reference(out, problem, atol, rtol, label=f"strided split FP8 key cache [{spec.describe()}]")

@@ -56,7 +56,7 @@ def test_every_tile_fits_the_device(device, dtype, head_size, workload):
     shape = ProblemShape(head_size, 32, 8, dtype, **workload)
     cfg = sm80_policy(shape, device)
     if cfg.kernel == "hopper":  # measured by that kernel's own model, checked against its compiled kernels
-        from pagedprefill_sm80.hopper.launch import shared_bytes
+        from pagedprefill_sm80.hopper.schedule import shared_bytes
 
         assert shared_bytes(shape, cfg) <= device.max_shared_mem
     else:
@@ -117,7 +117,7 @@ def test_a_tuned_hopper_tile_that_fits_runs_as_measured(tmp_path, monkeypatch):
     """128 keys in 3 stages at head size 128 (225 KiB in the Hopper kernel) is what ``pagedprefill tune`` chose
     for short NHD calls on the H200: the policy hands it over unchanged, not shrunk by the portable kernel's
     shared-memory model (256 KiB for that tile)."""
-    from pagedprefill_sm80.hopper.launch import shared_bytes
+    from pagedprefill_sm80.hopper.schedule import shared_bytes
 
     shape = ProblemShape(128, 32, 8, torch.bfloat16, num_tokens=64 * 128, num_seqs=64, block_size=16)
     tuned = TileConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, heads_per_tile=4, kernel="hopper")
@@ -145,7 +145,8 @@ def test_calls_the_hopper_kernel_does_not_take_get_a_portable_tile_that_fits(tmp
     monkeypatch.setenv(KERNEL_ENV, "portable")
     assert fallback == backend.tile_config(shape, H200)  # the tile the portable kernel runs when forced
     monkeypatch.delenv(KERNEL_ENV)
-    backend.check_problem(problem, H200)  # raised "needs 262144 bytes ... even with the smallest tile" before
+    # Checked against the portable tile: the Hopper tile would need 262144 bytes in the portable kernel's model.
+    backend.check_problem(problem, H200)
 
 
 @pytest.mark.parametrize("head_size,layout,kv", [(64, "nhd", "auto"), (128, "nhd", "auto"), (128, "split", "auto"),
@@ -156,7 +157,7 @@ def test_hopper_search_space_holds_tiles_the_kernel_takes(monkeypatch, head_size
     """Where the policy runs the Hopper kernel, ``pagedprefill tune`` measures Hopper tiles: the rule's first,
     each one the kernel takes for the shape and that fits the device's shared memory, few enough to tune in
     minutes."""
-    from pagedprefill_sm80.hopper.launch import shape_unfit_reason, shared_bytes
+    from pagedprefill_sm80.hopper.schedule import shape_unfit_reason, shared_bytes
 
     monkeypatch.setenv(KERNEL_ENV, "hopper")
     shape = ProblemShape(head_size, 32, 8, torch.bfloat16, num_tokens=num_tokens, num_seqs=num_seqs, layout=layout,
@@ -177,9 +178,9 @@ def test_hopper_search_space_holds_tiles_the_kernel_takes(monkeypatch, head_size
     (256, "nhd", "auto", (128, 64, 3), 256.3),  # Triton's error on the H200: "Required: 262416"
 ])
 def test_hopper_shared_memory_model_matches_the_compiled_kernels(head_size, layout, kv, tile, kib):
-    """:func:`shared_bytes` against what Triton allocated for sm90 (ci/codegen_report.py, run 6): an upper bound
+    """:func:`shared_bytes` against what Triton allocated for sm90 (as ci/codegen_report.py reports it): an upper bound
     within its 1 KiB allowance for the barriers."""
-    from pagedprefill_sm80.hopper.launch import shared_bytes
+    from pagedprefill_sm80.hopper.schedule import shared_bytes
 
     shape = ProblemShape(head_size, 32, 8, torch.bfloat16, num_tokens=4096, num_seqs=4, layout=layout,
                          kv_cache_dtype=kv, block_size=16)
