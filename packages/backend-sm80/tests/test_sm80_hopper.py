@@ -1055,6 +1055,11 @@ def test_fp8_boxes_apply_to_the_split_layouts_fp8_cache_at_full_head_sizes():
     assert not call.constexprs["SCHEDULE"].FP8_BOXES and call.constexprs["LAYOUT"].FP8_CACHE
     assert call.tensors[1] is call.tensors[5]  # a placeholder: the keys are copied from cache.key
     assert call.tensors[6].key.data_ptr() == wider.data_ptr() and call.tensors[6].key.dtype == torch.float8_e4m3fn
+    # Asked for the boxes anyway (a direct caller of the launch's tensors): refused, naming the cache.
+    from pagedprefill_sm80.hopper.launch import call_tensors_of
+
+    with pytest.raises(ValueError, match="FP8_BOXES: key_cache must be contiguous"):
+        call_tensors_of(strided, hopper_config(split8), {"FP8_BOXES": True})
 
 
 def test_fp8_boxes_compile_for_sm90_with_tma_boxes_instead_of_copies():

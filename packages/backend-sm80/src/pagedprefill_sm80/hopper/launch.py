@@ -178,6 +178,10 @@ def call_tensors_of(p: PrefillProblem, config: TileConfig, flags: dict) -> tuple
         if flags["FP8_BOXES"]:
             # [blocks, Hkv, D / x, block, x]: a page's keys of one head are D / x contiguous [block, x] blocks of
             # 16 bytes' width, together one unswizzled box.
+            if not _key_pages_fit(key):
+                raise ValueError("FP8_BOXES: key_cache must be contiguous from its block dimension in, 16-byte "
+                                 f"aligned, with at most {MAX_ROWS} rows of x elements; got strides "
+                                 f"{tuple(c.key.stride())} for shape {tuple(c.key.shape)}")
             k_cache = _key_pages_descriptor(key, box)
     else:
         k_cache = _descriptor(key, 1, (2, 3), rows_of(box))
