@@ -94,7 +94,7 @@ def demo(session: nox.Session) -> None:
     gpu = session.run("python", "-c", "import torch; print('GPU', torch.cuda.is_available())", silent=True) or ""
     if "GPU False" in gpu:
         session.log("no GPU: the same batch through the generic backend's Triton kernels in Triton's CPU interpreter")
-        session.run("pagedprefill", "demo", "--backend", "generic", "--repeats", "1", env={"TRITON_INTERPRET": "1"})
+        session.run("pagedprefill", "demo", "--backend", "generic", env={"TRITON_INTERPRET": "1"})
 
 
 @nox.session
