@@ -78,6 +78,8 @@ CASES: dict[str, dict] = {
                                     "alibi": True},
     # optional features (see FEATURE_CASES): a backend that refuses one skips its cases, with the reason
     "skip_decode": {"skip_decode": True, "query_lens": (1, 6, 1, 13, 0), "context_lens": (20, 9, 0, 3, 5)},
+    # two new tokens are a prefill, not a decode row: written, with and without a prefix
+    "skip_decode_two_tokens": {"skip_decode": True, "query_lens": (2, 1, 2, 3), "context_lens": (11, 4, 0, 2)},
     "fp8_out": {"fp8_out_scale": 0.02},
     "fp8_out_clamped": {"fp8_out_scale": 0.002, "dtype": torch.float32},
     "non_causal": {"causal": False},
