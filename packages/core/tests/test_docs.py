@@ -100,3 +100,20 @@ def test_guide_lists_every_field(cls):
     paragraph = paragraph[:paragraph.index(end)]
     missing = [f.name for f in dataclasses.fields(getattr(tiling, cls)) if f"`{f.name}`" not in paragraph]
     assert not missing, f"docs/writing-a-backend.md does not describe {cls} fields {missing}"
+
+
+@pytest.mark.parametrize("page", [GUIDE, TEMPLATE / "README.md"], ids=["guide", "template"])
+def test_backend_docs_install_pytest_before_running_it(page):
+    """The tests are run with pytest, and in Triton's interpreter with numpy < 2.4: the test extra brings both, and
+    is installed before the first pytest command."""
+    text = page.read_text()
+    first_pytest = re.search(r"(^|`)(TRITON_INTERPRET=1 )?pytest tests", text, re.M)
+    assert first_pytest, page
+    assert re.search(r"""pip install -e ["']\.\[test\]["']""", text[:first_pytest.start()]), page
+
+
+def test_guide_says_what_a_cpu_machine_installs():
+    text = " ".join(GUIDE.read_text().split())
+    assert '"torch==2.13.0+cpu"' in text and "https://download.pytorch.org/whl/cpu" in text
+    assert "Could not find a version that satisfies the requirement torch==2.13.0+cpu" in text
+    assert "numpy < 2.4" in text
