@@ -117,3 +117,33 @@ def test_guide_says_what_a_cpu_machine_installs():
     assert '"torch==2.13.0+cpu"' in text and "https://download.pytorch.org/whl/cpu" in text
     assert "Could not find a version that satisfies the requirement torch==2.13.0+cpu" in text
     assert "numpy < 2.4" in text
+
+
+def _readme_cpu_lines() -> tuple[str, str]:
+    """The README's CPU install line and the one for when PyTorch's CPU index cannot be reached."""
+    text = README.read_text()
+    line = next(line for line in text.splitlines() if line.startswith("pip install") and line.endswith("# CPU"))
+    fallback = re.search(r"`(pip install -c ci/constraints-cpu\.txt [^`]*)`", text)
+    assert fallback, "no install line for when PyTorch's CPU index cannot be reached"
+    return line, fallback.group(1)
+
+
+def test_readme_cpu_install_holds_the_tests_sessions_pins():
+    """The CPU line installs under the tests session's constraints, and its torch pin is one they allow."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    line, fallback = _readme_cpu_lines()
+    assert "-c ci/constraints-cpu.txt" in line
+    constraints = {}
+    for raw in (REPO / "ci" / "constraints-cpu.txt").read_text().splitlines():
+        if raw.strip() and not raw.startswith("#"):
+            requirement = Requirement(raw)
+            constraints[requirement.name] = requirement.specifier
+    pinned = Requirement(re.search(r'"(torch==[^"]+)"', line).group(1))
+    (version,) = [Version(spec.version) for spec in pinned.specifier]
+    assert constraints["torch"].contains(version), (pinned, constraints["torch"])
+    # The fallback is the same install without PyTorch's index and its torch pin.
+    assert fallback.split() == [word for word in line.split("#")[0].split()
+                                if word not in ("--extra-index-url", "https://download.pytorch.org/whl/cpu",
+                                                f'"{pinned}"')]
