@@ -123,27 +123,33 @@ def _readme_cpu_lines() -> tuple[str, str]:
     """The README's CPU install line and the one for when PyTorch's CPU index cannot be reached."""
     text = README.read_text()
     line = next(line for line in text.splitlines() if line.startswith("pip install") and line.endswith("# CPU"))
-    fallback = re.search(r"`(pip install -c ci/constraints-cpu\.txt [^`]*)`", text)
+    fallback = re.search(r'`(pip install "triton[^`]*)`', text)
     assert fallback, "no install line for when PyTorch's CPU index cannot be reached"
     return line, fallback.group(1)
 
 
-def test_readme_cpu_install_holds_the_tests_sessions_pins():
-    """The CPU line installs under the tests session's constraints, and its torch pin is one they allow."""
+def test_readme_cpu_install_pins_what_the_tests_session_installs():
+    """Every pin of the CPU line is one the tests session's constraints allow, and the constraints' exact pins
+    (Triton's) are on the line, so that the line installs what the tests ran with."""
     from packaging.requirements import Requirement
     from packaging.version import Version
 
     line, fallback = _readme_cpu_lines()
-    assert "-c ci/constraints-cpu.txt" in line
     constraints = {}
     for raw in (REPO / "ci" / "constraints-cpu.txt").read_text().splitlines():
         if raw.strip() and not raw.startswith("#"):
             requirement = Requirement(raw)
             constraints[requirement.name] = requirement.specifier
-    pinned = Requirement(re.search(r'"(torch==[^"]+)"', line).group(1))
-    (version,) = [Version(spec.version) for spec in pinned.specifier]
-    assert constraints["torch"].contains(version), (pinned, constraints["torch"])
+    pins = {}
+    for quoted in re.findall(r'"([a-z]+==[^"]+)"', line):
+        requirement = Requirement(quoted)
+        (spec,) = requirement.specifier
+        pins[requirement.name] = spec.version
+        assert constraints[requirement.name].contains(Version(spec.version)), (quoted, constraints)
+    exact = {name for name, spec in constraints.items() if any(s.operator == "==" for s in spec)}
+    assert exact <= set(pins), (exact, pins)
+    assert "torch" in pins and "[interpreter]" in line  # numpy < 2.4 comes with the interpreter extra
     # The fallback is the same install without PyTorch's index and its torch pin.
     assert fallback.split() == [word for word in line.split("#")[0].split()
                                 if word not in ("--extra-index-url", "https://download.pytorch.org/whl/cpu",
-                                                f'"{pinned}"')]
+                                                f'"torch=={pins["torch"]}"')]
