@@ -112,3 +112,12 @@ def test_the_warning_points_at_the_callers_line():
         registry.select(GPU)
     assert [w.filename for w in caught if issubclass(w.category, FallbackWarning)] == [__file__]
     assert pagedprefill.registry.Fallback is Fallback
+
+
+def test_a_quiet_selection_leaves_the_warning_to_the_first_use():
+    """The selection at import runs nothing and says nothing; the first call that gets the choice is told."""
+    registry = registry_of(Declining("fast", 200, [Fallback("a package is missing")]), Declining("slow", 1, []))
+    chosen, messages = fallback_warnings(lambda: registry.select(GPU, warn=False))
+    assert chosen.name == "slow" and messages == []
+    chosen, messages = fallback_warnings(lambda: registry.select(GPU))  # the cached choice, still told
+    assert chosen.name == "slow" and len(messages) == 1 and "a package is missing" in messages[0]

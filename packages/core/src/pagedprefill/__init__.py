@@ -65,6 +65,7 @@ def import_selection() -> Optional[Backend]:
 
 if os.environ.get("PAGEDPREFILL_LAZY_SELECT", "0") in ("", "0"):
     try:
-        _import_selection = select_backend()
+        # Quietly: nothing runs yet, so a fallback is told at the first call or select_backend() that returns it.
+        _import_selection = get_registry().select(DeviceInfo.detect(), warn=False)
     except Exception:  # never fail the import; the first call raises the full explanation
         pass

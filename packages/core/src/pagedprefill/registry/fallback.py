@@ -17,7 +17,7 @@ from typing import Iterable
 
 from ..device import DeviceInfo
 
-__all__ = ["Fallback", "FallbackWarning", "warn_fallback"]
+__all__ = ["Fallback", "FallbackWarning", "fallbacks_of", "warn_fallback"]
 
 
 class Fallback(str):
@@ -33,16 +33,21 @@ _warned: set = set()
 _warned_lock = threading.Lock()
 
 
-def warn_fallback(passed_over: Iterable[tuple[str, list[str]]], load_errors: dict[str, str], chosen: str,
-                  device: DeviceInfo) -> None:
-    """Warn (once per process for each backend and reason) that ``chosen`` runs on ``device`` because the
-    backends ``passed_over`` (``(name, reasons)``, ranked above it) gave :class:`Fallback` reasons, or because
-    the plugins of ``load_errors`` (``{name: error}``) failed to load."""
-    causes = [(f"backend {name!r} cannot run on it: ", reason) for name, reasons in passed_over
+def fallbacks_of(passed_over: Iterable[tuple[str, list[str]]], load_errors: dict[str, str]) -> tuple:
+    """What an automatic choice fell back from: the :class:`Fallback` reasons of the backends ``passed_over``
+    (``(name, reasons)``, ranked above the choice) and the plugins of ``load_errors`` (``{name: error}``), as
+    ``(what, why)`` pairs for :func:`warn_fallback`."""
+    causes = [(f"backend {name!r} cannot run on it: ", str(reason)) for name, reasons in passed_over
               for reason in reasons if isinstance(reason, Fallback)]
     causes += [(f"plugin {name!r} is not available: ", error) for name, error in load_errors.items()]
-    for what, why in causes:
-        key = (what, str(why), chosen)
+    return tuple(causes)
+
+
+def warn_fallback(fallbacks: tuple, chosen: str, device: DeviceInfo) -> None:
+    """Warn that ``chosen`` runs on ``device`` because of each of ``fallbacks`` (:func:`fallbacks_of`), once per
+    process for each."""
+    for what, why in fallbacks:
+        key = (what, why, chosen)
         with _warned_lock:
             if key in _warned:
                 continue

@@ -33,7 +33,7 @@ from ..device import DeviceInfo, fill_defaults, general_info, interpreter_enable
 from ..variables import CORE_VARIABLES, EnvironmentVariable
 from . import hookspecs
 from .backend import Backend, BackendUnavailableError
-from .fallback import warn_fallback
+from .fallback import fallbacks_of, warn_fallback
 
 ENV_BACKEND = "PAGEDPREFILL_BACKEND"
 
@@ -215,22 +215,29 @@ class Registry:
                  self.load_errors.items()]
         return rows
 
-    def select(self, device: DeviceInfo, backend: Union[str, Backend, None] = None) -> Backend:
-        """Pick the backend for ``device`` following the module's rules (cached per device and choice)."""
+    def select(self, device: DeviceInfo, backend: Union[str, Backend, None] = None, *, warn: bool = True) -> Backend:
+        """Pick the backend for ``device`` following the module's rules (cached per device and choice).
+
+        An automatic choice that falls back warns (once per process) each time it is returned, unless ``warn``
+        is False: the selection at import, which runs nothing, leaves the warning to the first use."""
         self.check_environment()
         if isinstance(backend, Backend):
             return self._require(backend, device)
         env = os.environ.get(ENV_BACKEND, "").strip()
         key = (device, backend, env, interpreter_enabled())
-        chosen = self._selected.get(key)
-        if chosen is None:
-            chosen = self._select_uncached(device, backend, env)
-            self._selected[key] = chosen
+        found = self._selected.get(key)
+        if found is None:
+            found = self._select_uncached(device, backend, env)
+            self._selected[key] = found
+        chosen, fallbacks = found
+        if fallbacks and warn:
+            warn_fallback(fallbacks, chosen.name, device)
         return chosen
 
-    def _select_uncached(self, device: DeviceInfo, backend: Optional[str], env: str) -> Backend:
+    def _select_uncached(self, device: DeviceInfo, backend: Optional[str], env: str) -> tuple[Backend, tuple]:
+        """The choice, and what it fell back from (:func:`~pagedprefill.registry.fallback.fallbacks_of`)."""
         if backend is not None:
-            return self._require(self.get(backend), device)
+            return self._require(self.get(backend), device), ()
         if env:
             names = [n.strip() for n in env.split(",") if n.strip()]
             if not names:
@@ -247,7 +254,7 @@ class Registry:
                     continue
                 reasons = _safe_supports(candidate, device)
                 if not reasons:
-                    return candidate
+                    return candidate, ()
                 problems.append(f"  - {name}: " + "; ".join(reasons))
             raise BackendUnavailableError(
                 f"{ENV_BACKEND}={env!r} names no backend that can run on {device.describe()} (unset "
@@ -256,8 +263,7 @@ class Registry:
         for candidate in self.backends():
             reasons = _safe_supports(candidate, device)
             if not reasons:
-                warn_fallback(passed_over, self.load_errors, candidate.name, device)
-                return candidate
+                return candidate, fallbacks_of(passed_over, self.load_errors)
             passed_over.append((candidate.name, reasons))
         raise BackendUnavailableError(self.no_backend_message(device))
 
