@@ -65,7 +65,7 @@ class Registry:
         self._pm.add_hookspecs(hookspecs)
         self._load_errors: dict[str, str] = {}
         self._backends: Optional[dict[str, Backend]] = None
-        self._selected: dict[tuple, Backend] = {}
+        self._selected: dict[tuple, tuple[Backend, tuple]] = {}  # the choice and what it fell back from
         self._detected: dict[tuple, DeviceInfo] = {}
         self._accepted_values: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
