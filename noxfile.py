@@ -9,7 +9,11 @@ pluggy preinstalled): then the project's packages are installed into the current
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import nox
@@ -29,6 +33,40 @@ CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
 
 nox.options.sessions = ["lint", "tests", "demo", "docs"]
 nox.options.default_venv_backend = "venv"
+
+
+class _WithoutUvProbe(logging.Filter):
+    """Drops nox's "uv binary not found." line: nox looks for uv before creating any environment, but these
+    sessions create theirs with the standard library's venv, so uv's absence means nothing here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "uv binary not found."
+
+
+logging.getLogger("nox").addFilter(_WithoutUvProbe())
+
+
+def _public_torch() -> str:
+    """What pip takes for torch from the public index alone, in words (for the log, before it downloads)."""
+    if sys.platform.startswith("linux"):
+        return ("torch 2.11.0 from the public index, whose Linux build is the CUDA one: about 4.7 GB with NVIDIA's "
+                "CUDA libraries (15 nvidia-* packages), which runs on the CPU too")
+    return "torch 2.11.0 from the public index"
+
+
+def _nvidia_gpu() -> bool:
+    """Whether NVIDIA's driver lists a GPU on this machine (asked before torch is installed to ask)."""
+    gpus = Path("/proc/driver/nvidia/gpus")
+    if gpus.is_dir() and any(gpus.iterdir()):
+        return True
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False
+    try:
+        listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return listed.lstrip().startswith("GPU")
 
 
 def _no_venv(session: nox.Session) -> bool:
@@ -60,7 +98,8 @@ def install(session: nox.Session, *packages: str, extras: str = "", cpu_torch: b
     if cpu_torch:
         why = _unreachable(f"{CPU_TORCH_INDEX}/torch/")
         if why:
-            session.log(f"{CPU_TORCH_INDEX} does not answer ({why}): torch comes from the configured indexes")
+            session.log(f"PyTorch's CPU index {CPU_TORCH_INDEX} does not answer ({why}), so pip takes "
+                        f"{_public_torch()} (unless the configured indexes offer another build)")
         else:
             index = ["--extra-index-url", CPU_TORCH_INDEX]
     session.install(*index, "-c", str(CONSTRAINTS), *[a for p in targets for a in ("-e", p)])
@@ -87,14 +126,21 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """Run the demo: a realistic paged batch on the selected backend, checked against the reference."""
-    install(session, CORE, *BACKENDS.values(), extras="triton,test")  # test: numpy, for Triton's interpreter
+    """Run the demo: a realistic paged batch on the selected backend, checked against the reference.
+
+    On a machine without an NVIDIA GPU it runs the reference and Triton's interpreter, for which the CPU build of
+    torch (a few hundred MB) does; it is taken where PyTorch's CPU index answers."""
+    cpu_torch = not _no_venv(session) and not _nvidia_gpu()  # (without a venv nothing is installed)
+    if cpu_torch:
+        session.log("no NVIDIA GPU listed by its driver: the demo runs on the CPU, with the CPU build of torch")
+    # test: numpy, for Triton's interpreter
+    install(session, CORE, *BACKENDS.values(), extras="triton,test", cpu_torch=cpu_torch)
     session.run("pagedprefill", "info")
     session.run("pagedprefill", "demo", *session.posargs)
     gpu = session.run("python", "-c", "import torch; print('GPU', torch.cuda.is_available())", silent=True) or ""
     if "GPU False" in gpu:
         session.log("no GPU: the same batch through the generic backend's Triton kernels in Triton's CPU interpreter")
-        session.run("pagedprefill", "demo", "--backend", "generic", "--repeats", "1", env={"TRITON_INTERPRET": "1"})
+        session.run("pagedprefill", "demo", "--backend", "generic", env={"TRITON_INTERPRET": "1"})
 
 
 @nox.session

@@ -45,10 +45,16 @@ class TestMyBackendConformance(ConformanceSuite):
         return info
 
 
-def test_registered_through_the_entry_point():
+#: The generic backend's priority: it runs on any device with a Triton driver, the backend's own included.
+GENERIC_PRIORITY = 100
+
+
+def test_registered_through_the_entry_point_and_chosen_on_its_device(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # selection for the device itself, not the interpreter
     backend = pagedprefill.get_registry().get("mybackend")
     assert isinstance(backend, MyBackend)
-    assert backend.priority == 150
+    assert backend.priority > GENERIC_PRIORITY  # 150 as shipped; 200 or more for a finished backend
+    assert pagedprefill.select_backend(OWN_DEVICE).name == "mybackend"
 
 
 def test_supports_only_its_own_vendor():

@@ -5,8 +5,9 @@ a GPU, where the described BI-V100 makes core's kernel run with the tiles this b
 """
 
 import torch
-from pagedprefill import DeviceInfo
-from pagedprefill.testing import ConformanceSuite
+from pagedprefill import DeviceInfo, get_registry
+from pagedprefill.features import missing_features
+from pagedprefill.testing import ConformanceSuite, make_problem
 from pagedprefill_bi100 import described_devices
 
 NO_FP8 = "Triton on Iluvatar CoreX has no FP8: the bi100 backend refuses FP8 KV caches"
@@ -20,3 +21,13 @@ class TestBi100Conformance(ConformanceSuite):
     def device_info(self, device: torch.device) -> DeviceInfo:
         # The tensors stay on ``device``; only the policy sees a BI-V100.
         return described_devices()["BI-V100"]
+
+
+def test_every_sweep_case_is_one_bi100_runs():
+    """The sweep draws no FP8 cache and no FP8 output, so on the CPU all of its cases are computed (drawn from
+    every format, five of the eight parts held only FP8 cases and skipped)."""
+    suite, cpu = TestBi100Conformance(), torch.device("cpu")
+    for seed in range(1000, 1000 + 8 * 3):
+        spec = suite.sweep_spec(seed, "small", (torch.float16, torch.float32))
+        assert suite._skip_reason(spec, cpu) is None, spec.describe()
+        assert not missing_features(get_registry().get("bi100"), make_problem(spec, cpu)), spec.describe()

@@ -173,6 +173,49 @@ def test_demo_compares_with_an_independent_float64_computation():
     assert re.search(r"^time: \S+ ms, one run \(host clock", proc.stdout, re.M), proc.stdout
 
 
+def _demo_in_the_interpreter(monkeypatch, capsys, *args: str) -> list[str]:
+    """``pagedprefill demo --backend generic ARGS`` under ``TRITON_INTERPRET=1``, with each run computed by the
+    reference instead (the interpreter's seconds a run are not what these tests look at)."""
+    pytest.importorskip("pagedprefill_generic", reason="the generic backend is not installed (it runs Triton's "
+                                                       "interpreter here)")
+    import pagedprefill.api as api
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("PAGEDPREFILL_BACKEND", raising=False)
+    real = api.dispatch
+    monkeypatch.setattr(api, "dispatch", lambda problem, backend=None, validate="basic":
+                        real(problem, backend="reference", validate=validate))
+    assert main(["demo", "--device", "cpu", "--backend", "generic", *args]) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def test_demo_in_the_interpreter_runs_once_by_default_and_says_so(monkeypatch, capsys):
+    lines = _demo_in_the_interpreter(monkeypatch, capsys)
+    assert "Triton's CPU interpreter runs the kernels, several seconds a run: a checked warm-up run, then 1 timed " \
+           "run (the default under the interpreter: --repeats N for more)" in lines
+    assert [line.split(":")[0] for line in lines if line.startswith(("warm-up run", "timed run"))] == \
+        ["warm-up run", "timed run 1 of 1"]
+    assert any(line.startswith("time: ") and ", one run " in line for line in lines), lines
+
+
+def test_demo_in_the_interpreter_reports_each_run(monkeypatch, capsys):
+    lines = _demo_in_the_interpreter(monkeypatch, capsys, "--repeats", "3")
+    assert "Triton's CPU interpreter runs the kernels, several seconds a run: a checked warm-up run, then 3 timed " \
+           "runs" in lines
+    runs = [line for line in lines if line.startswith("timed run ")]
+    assert [line.split(":")[0] for line in runs] == ["timed run 1 of 3", "timed run 2 of 3", "timed run 3 of 3"]
+    assert all(re.fullmatch(r"timed run \d of 3: \d+\.\d s", line) for line in runs), runs
+
+
+def test_demo_off_the_interpreter_keeps_five_quiet_runs(monkeypatch, capsys):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("PAGEDPREFILL_BACKEND", raising=False)
+    assert main(["demo", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "Triton's CPU interpreter runs" not in out and "timed run" not in out
+    assert re.search(r"^time: median \S+ ms over 5 runs", out, re.M), out
+
+
 def test_info_says_what_triton_none_means():
     proc = run_cli("info", "--device", "cpu")
     assert proc.returncode == 0, proc.stderr

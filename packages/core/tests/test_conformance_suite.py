@@ -46,6 +46,35 @@ def test_excluded_cache_dtypes_apply_to_the_random_sweep():
         assert skipped == (spec.kv_cache_dtype != "auto"), spec.describe()
 
 
+SWEEP_DTYPES = (torch.float16, torch.float32)
+
+
+def test_the_sweep_draws_no_excluded_cache_dtype():
+    """A backend without FP8 caches has every sweep case computed, none skipped for its cache."""
+    specs = [NoFp8().sweep_spec(1000 + seed, "small", SWEEP_DTYPES) for seed in range(60)]
+    assert all(spec.kv_cache_dtype == "auto" for spec in specs)
+    assert all(NoFp8()._skip_reason(spec, CPU) is None for spec in specs)
+    assert len({spec.describe() for spec in specs}) == len(specs)
+
+
+def test_the_sweep_draws_only_the_features_the_backend_runs(monkeypatch):
+    from pagedprefill import get_registry
+    from pagedprefill.features import missing_features
+    from pagedprefill.testing import make_problem
+
+    monkeypatch.setattr(get_registry().get("reference"), "supported_features", frozenset({"skip_decode"}))
+    specs = [ConformanceSuite().sweep_spec(1000 + seed, "small", SWEEP_DTYPES) for seed in range(80)]
+    assert any(spec.skip_decode for spec in specs)
+    for spec in specs:
+        assert spec.causal and not spec.kv_in_cache and spec.fp8_out_scale is None, spec.describe()
+        assert not missing_features(get_registry().get("reference"), make_problem(spec, CPU))
+
+
+def test_a_backend_that_runs_everything_sweeps_the_shared_cases():
+    assert [ConformanceSuite().sweep_spec(1000 + seed, "small", SWEEP_DTYPES) for seed in range(40)] == \
+        [random_spec(1000 + seed, "small", SWEEP_DTYPES) for seed in range(40)]
+
+
 def test_only_the_declared_cache_dtype_is_excluded():
     class NoE5m2(ConformanceSuite):
         backend = "reference"

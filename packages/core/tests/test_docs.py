@@ -100,3 +100,56 @@ def test_guide_lists_every_field(cls):
     paragraph = paragraph[:paragraph.index(end)]
     missing = [f.name for f in dataclasses.fields(getattr(tiling, cls)) if f"`{f.name}`" not in paragraph]
     assert not missing, f"docs/writing-a-backend.md does not describe {cls} fields {missing}"
+
+
+@pytest.mark.parametrize("page", [GUIDE, TEMPLATE / "README.md"], ids=["guide", "template"])
+def test_backend_docs_install_pytest_before_running_it(page):
+    """The tests are run with pytest, and in Triton's interpreter with numpy < 2.4: the test extra brings both, and
+    is installed before the first pytest command."""
+    text = page.read_text()
+    first_pytest = re.search(r"(^|`)(TRITON_INTERPRET=1 )?pytest tests", text, re.M)
+    assert first_pytest, page
+    assert re.search(r"""pip install -e ["']\.\[test\]["']""", text[:first_pytest.start()]), page
+
+
+def test_guide_says_what_a_cpu_machine_installs():
+    text = " ".join(GUIDE.read_text().split())
+    assert '"torch==2.13.0+cpu"' in text and "https://download.pytorch.org/whl/cpu" in text
+    assert "Could not find a version that satisfies the requirement torch==2.13.0+cpu" in text
+    assert "numpy < 2.4" in text
+
+
+def _readme_cpu_lines() -> tuple[str, str]:
+    """The README's CPU install line and the one for when PyTorch's CPU index cannot be reached."""
+    text = README.read_text()
+    line = next(line for line in text.splitlines() if line.startswith("pip install") and line.endswith("# CPU"))
+    fallback = re.search(r'`(pip install "triton[^`]*)`', text)
+    assert fallback, "no install line for when PyTorch's CPU index cannot be reached"
+    return line, fallback.group(1)
+
+
+def test_readme_cpu_install_pins_what_the_tests_session_installs():
+    """Every pin of the CPU line is one the tests session's constraints allow, and the constraints' exact pins
+    (Triton's) are on the line, so that the line installs what the tests ran with."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    line, fallback = _readme_cpu_lines()
+    constraints = {}
+    for raw in (REPO / "ci" / "constraints-cpu.txt").read_text().splitlines():
+        if raw.strip() and not raw.startswith("#"):
+            requirement = Requirement(raw)
+            constraints[requirement.name] = requirement.specifier
+    pins = {}
+    for quoted in re.findall(r'"([a-z]+==[^"]+)"', line):
+        requirement = Requirement(quoted)
+        (spec,) = requirement.specifier
+        pins[requirement.name] = spec.version
+        assert constraints[requirement.name].contains(Version(spec.version)), (quoted, constraints)
+    exact = {name for name, spec in constraints.items() if any(s.operator == "==" for s in spec)}
+    assert exact <= set(pins), (exact, pins)
+    assert "torch" in pins and "[interpreter]" in line  # numpy < 2.4 comes with the interpreter extra
+    # The fallback is the same install without PyTorch's index and its torch pin.
+    assert fallback.split() == [word for word in line.split("#")[0].split()
+                                if word not in ("--extra-index-url", "https://download.pytorch.org/whl/cpu",
+                                                f'"torch=={pins["torch"]}"')]

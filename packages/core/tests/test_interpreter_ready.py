@@ -110,6 +110,12 @@ def test_info_and_demo_without_numpy(tmp_path):
     assert generic.splitlines()[0].split()[3] == "unsupported", info.stdout
     assert "why not: Triton's interpreter needs numpy, which is not installed" in generic, info.stdout
     assert "choice: reference" in info.stdout, info.stdout
+    # TRITON_INTERPRET=1 asked for Triton's kernels: the automatic choice fell back, and says so in one line.
+    lines = info.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pagedprefill info: warning: pagedprefill runs backend "
+                                                   "'reference' on "), info.stderr
+    assert "because backend 'generic' cannot run on it: Triton's interpreter needs numpy, which is not installed" \
+        in lines[0], info.stderr
     demo = subprocess.run([sys.executable, "-m", "pagedprefill", "demo", "--backend", "generic", "--repeats", "1"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert demo.returncode == 2, demo.stdout + demo.stderr

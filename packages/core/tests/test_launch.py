@@ -138,3 +138,39 @@ def _assert_same(got, want):
         assert got.data_ptr() == want.data_ptr()
     else:
         assert got == want and type(got) is type(want)
+
+
+def _misaligned_like(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``t``'s shape, strides and dtype whose data starts one element past a 16-byte boundary."""
+    assert t.element_size() < 16
+    extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
+    buffer = torch.zeros(extent + 16, dtype=t.dtype)
+    to_boundary = (-buffer.data_ptr() % 16) // t.element_size()
+    view = torch.as_strided(buffer, t.shape, t.stride(), storage_offset=to_boundary + 1)
+    assert view.data_ptr() % 16 == t.element_size()
+    return view
+
+
+@pytest.mark.parametrize("case", ["basic", "fp8_split_tensor_scales", "alibi", "sinks"])
+def test_bound_launch_declines_a_tensor_less_aligned_than_the_first_calls(case, monkeypatch):
+    """The compiled code may assume every tensor that was 16-byte aligned at compile time still is: a later call
+    with any one of them misaligned launches nothing (and takes the full path), the others launch."""
+    from pagedprefill.triton.launch import BoundLaunch, call_tensors, kernel_call
+    from triton.runtime import driver
+
+    problem = make_problem(case_spec(case, "small", 0))
+    call = kernel_call(problem, settle(TileConfig(), _shape(problem)))
+    compiled = _Recorded()
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(driver, "_active", _Driver())
+    launch = BoundLaunch(compiled, call, torch.device("cuda", 0))
+    tensors = call_tensors(problem)
+    positions = [(i, j) for i, group in enumerate(tensors) for j, t in enumerate(group)
+                 if isinstance(t, torch.Tensor) and t.numel() and t.data_ptr() % 16 == 0]
+    assert len(positions) >= 8, positions  # q, k, v, out, both caches, the table and the lengths at least
+    for i, j in positions:
+        group = list(tensors[i])
+        group[j] = _misaligned_like(group[j])
+        assert launch(tensors[:i] + (tuple(group),) + tensors[i + 1:]) is False, (i, j)
+    assert compiled.calls == []
+    assert launch(tensors) is True and len(compiled.calls) == 1

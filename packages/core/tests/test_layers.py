@@ -23,7 +23,7 @@ ROOT = Path(pagedprefill.__file__).parent
 #: The layers, lowest first; a module belongs to the layer naming it or its closest enclosing package
 #: (``""`` is the package's ``__init__``, the facade).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("values", ("errors", "options", "types", "environment")),
+    ("values", ("errors", "options", "lengths", "placement", "types", "environment", "variables")),
     ("inputs and hardware", ("device", "accelerator", "validation", "cache", "reference_impl", "workloads")),
     ("policy", ("tiling", "tuning", "features", "plans")),
     ("registry", ("registry",)),

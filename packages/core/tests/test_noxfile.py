@@ -110,3 +110,52 @@ def test_cpu_sessions_take_torch_from_the_cpu_index_where_it_answers(noxfile, mo
     noxfile.tests(session)
     install = next(call for call in session.calls if call[0] == "install")
     assert install[1:3] == ("--extra-index-url", noxfile.CPU_TORCH_INDEX), install
+
+
+@pytest.mark.parametrize("index_answers", [True, False])
+def test_demo_without_a_gpu_takes_the_cpu_build_or_says_what_it_downloads(noxfile, monkeypatch, index_answers):
+    monkeypatch.setattr(noxfile, "_nvidia_gpu", lambda: False)
+    monkeypatch.setattr(noxfile, "_unreachable", lambda url, timeout=5.0: "" if index_answers else "no network here")
+    monkeypatch.setattr(noxfile.sys, "platform", "linux")
+    session = RecordingSession("venv")
+    noxfile.demo(session)
+    install = next(call for call in session.calls if call[0] == "install")
+    assert (install[1:3] == ("--extra-index-url", noxfile.CPU_TORCH_INDEX)) is index_answers, install
+    if not index_answers:  # said before pip starts downloading
+        said = [line for line in session.logs if "does not answer (no network here)" in line]
+        assert said and "the CUDA one: about 4.7 GB" in said[0], session.logs
+
+
+def test_demo_with_a_gpu_takes_the_public_index_build(noxfile, monkeypatch):
+    monkeypatch.setattr(noxfile, "_nvidia_gpu", lambda: True)
+    monkeypatch.setattr(noxfile, "_unreachable", lambda url, timeout=5.0: pytest.fail("the CPU index was asked"))
+    session = RecordingSession("venv")
+    noxfile.demo(session)
+    install = next(call for call in session.calls if call[0] == "install")
+    assert "--extra-index-url" not in install
+
+
+def test_noxs_uv_probe_line_is_dropped_and_nothing_else(noxfile):
+    import logging
+
+    def passes(message: str) -> bool:
+        record = logging.LogRecord("nox", logging.INFO, __file__, 1, message, (), None)
+        return logging.getLogger("nox").filter(record)
+
+    assert not passes("uv binary not found.")
+    assert passes("Running session demo") and passes("uv binary not found. (something else)")
+
+
+def test_the_tests_session_installs_what_every_core_test_needs(noxfile, monkeypatch):
+    """The tests session installs core's ``test`` extra, which must hold pytest-xdist: without it the live run
+    of ``test_plugin_order.py`` (two workers) skips."""
+    import re
+
+    monkeypatch.setattr(noxfile, "_unreachable", lambda url, timeout=5.0: "")
+    session = RecordingSession("venv")
+    noxfile.tests(session)
+    install = next(call for call in session.calls if call[0] == "install")
+    assert "packages/core[triton,test]" in _editables(install), install
+    pyproject = (NOXFILE.parent / "packages" / "core" / "pyproject.toml").read_text()
+    test_extra = re.search(r"^test = \[(.*)\]$", pyproject, re.M).group(1)
+    assert '"pytest-xdist' in test_extra, test_extra

@@ -63,6 +63,22 @@ def test_another_signature_is_validated(counting):
     assert calls["validate"] == 3
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_call_changing_only_qs_dtype_is_validated(counting, dtype):
+    """q's dtype is part of the signature: after a float16 call, a q of the same shape in another dtype (with
+    k, v, out and the cache still float16) is checked, not launched by the float16 call's plan."""
+    backend, calls = counting
+    first = make_problem(SPEC)
+    assert first.q.dtype == torch.float16
+    api.dispatch(first, backend=backend)
+    again = fresh_output(first)
+    again = dataclasses.replace(again, q=again.q.to(dtype))
+    with pytest.raises(TypeError, match=r"^q: expected dtype float16 or bfloat16 or float32, got float64$"
+                       if dtype == torch.float64 else r"^out: expected dtype float32 \(the dtype of q\), got float16$"):
+        api.dispatch(again, backend=backend)
+    assert backend.runs == 1 and calls["validate"] == 2
+
+
 def test_full_validation_never_uses_a_plan(counting):
     backend, calls = counting
     p = make_problem(SPEC)

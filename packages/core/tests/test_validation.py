@@ -548,14 +548,57 @@ def test_from_lengths_refuses_a_block_table_that_is_not_a_tensor():
         pp.BatchMetadata.from_lengths([5, 1], [40, 17], [[0, 1], [2, 3]])
 
 
+@pytest.mark.parametrize("query_lens, context_lens, error, pattern", [
+    ([5, -1, 4], [40, 17, 0], ValueError, r"^query_lens\[1\]: expected a length in \[0, 2\*\*31\), got -1$"),
+    ([5, 1, 4], [40, 17, -3], ValueError, r"^context_lens\[2\]: expected a length in \[0, 2\*\*31\), got -3$"),
+    ([5, 1.0, 4], [40, 17, 0], TypeError, r"^query_lens\[1\]: expected an int >= 0, got 1\.0$"),
+    ([5, True, 4], [40, 17, 0], TypeError, r"^query_lens\[1\]: expected an int >= 0, got True$"),
+    ([5, 1, 4], [40, 2**31, 0], ValueError,
+     r"^context_lens\[1\]: expected a length in \[0, 2\*\*31\), got 2147483648$"),
+    ([5, 1, 4], [40, 2**31 - 1, 0], ValueError,
+     r"^context_lens\[1\]: expected query_lens\[1\] \+ context_lens\[1\] < 2\*\*31, got 1 \+ 2147483647$"),
+    (7, [40, 17, 0], TypeError, r"^query_lens: expected a list of ints \(one length per sequence\), got int$"),
+    ([5, 1, 4], "40,17,0", TypeError, r"^context_lens: expected a list of ints \(one length per sequence\), got str$"),
+    (torch.tensor([5.0, 1.0, 4.0]), [40, 17, 0], TypeError,
+     r"^query_lens: expected a list of ints or a 1-D integer tensor .*, got a 1-D tensor of dtype float32$"),
+])
+def test_from_lengths_names_the_length_the_caller_wrote(query_lens, context_lens, error, pattern):
+    """A bad length is refused at construction, by its index in the list the caller wrote (not later, at the
+    call, through the query_start offsets derived from it)."""
+    table = torch.zeros(3, 4, dtype=torch.int32)
+    with pytest.raises(error, match=pattern):
+        pp.BatchMetadata.from_lengths(query_lens, context_lens, table)
+
+
+@pytest.mark.parametrize("table, error, pattern", [
+    (torch.zeros(12, dtype=torch.int32), ValueError,
+     r"^block_table: expected a 2-D tensor \[num_seqs, max_blocks_per_seq\], got shape \[12\]$"),
+    (torch.zeros(3, 4), TypeError, r"^block_table: expected dtype int32 or int64, got float32$"),
+    (torch.zeros(2, 4, dtype=torch.int64), ValueError,
+     r"^block_table: expected 3 rows \(one per sequence, as many as query_lens\), got shape \[2, 4\]$"),
+])
+def test_from_lengths_refuses_a_bad_block_table_at_construction(table, error, pattern):
+    with pytest.raises(error, match=pattern):
+        pp.BatchMetadata.from_lengths([5, 1, 4], [40, 17, 0], table)
+
+
+def test_from_lengths_takes_tuples_and_integer_tensors():
+    table = torch.arange(6, dtype=torch.int32).reshape(3, 2)
+    from_lists = pp.BatchMetadata.from_lengths([5, 1, 4], [9, 0, 3], table)
+    from_tensors = pp.BatchMetadata.from_lengths(torch.tensor([5, 1, 4]), (9, 0, 3), table)
+    for a, b in ((from_lists.query_start, from_tensors.query_start), (from_lists.seq_lens, from_tensors.seq_lens)):
+        assert torch.equal(a, b)
+    assert from_lists.query_start.tolist() == [0, 5, 6, 10] and from_lists.max_query_len == 5
+
+
 def test_native_errors_name_the_native_arguments():
     """A native caller wrote block_table, query_start, max_query_len...: errors use those names, not the
     drop-in's b_loc, b_start_loc, max_input_len."""
     p, query_lens, context_lens, table = _native_parts()
-    batch = pp.BatchMetadata.from_lengths(query_lens, context_lens, table.float())
+    good = pp.BatchMetadata.from_lengths(query_lens, context_lens, table)
+    batch = dataclasses.replace(good, block_table=table.float())
     with pytest.raises(TypeError, match=r"^block_table: expected dtype int32 or int64, got float32$"):
         pp.prefill_attention(p.q, p.k, p.v, p.cache, batch, backend="reference")
-    good = pp.BatchMetadata.from_lengths(query_lens, context_lens, table)
     checks = [
         (dataclasses.replace(good, max_query_len=1), ValueError, r"^max_query_len: expected >= the longest query"),
         (dataclasses.replace(good, query_start=good.query_start[:2]), ValueError, r"^query_start: expected shape"),

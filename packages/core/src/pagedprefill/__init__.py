@@ -36,7 +36,7 @@ from .api import (
 )
 from .cache import allocate_cache, fp8_scale_for, gather_kv, quantize_fp8, write_to_cache
 from .device import DeviceInfo
-from .errors import BackendUnavailableError, UnsupportedFeatureError
+from .errors import BackendUnavailableError, DeviceUnavailableError, UnsupportedFeatureError
 from .reference_impl import reference_prefill
 from .registry import ENTRY_POINT_GROUP, ENV_BACKEND, Backend, hookimpl
 from .tiling import ProblemShape, TileConfig, TilingPolicy
@@ -46,7 +46,8 @@ from .validation import validate_problem
 __version__ = "0.1.0"
 
 __all__ = [
-    "AttentionOptions", "Backend", "BackendUnavailableError", "BatchMetadata", "DeviceInfo", "ENTRY_POINT_GROUP",
+    "AttentionOptions", "Backend", "BackendUnavailableError", "BatchMetadata", "DeviceInfo",
+    "DeviceUnavailableError", "ENTRY_POINT_GROUP",
     "ENV_BACKEND", "KVCacheDType", "KVLayout", "PagedKVCache", "PrefillProblem", "ProblemShape", "TileConfig",
     "TilingPolicy", "UnsupportedFeatureError", "allocate_cache", "available_backends", "context_attention_fwd",
     "dispatch", "fp8_scale_for", "gather_kv", "get_registry", "hookimpl", "import_selection", "ops",
@@ -64,6 +65,7 @@ def import_selection() -> Optional[Backend]:
 
 if os.environ.get("PAGEDPREFILL_LAZY_SELECT", "0") in ("", "0"):
     try:
-        _import_selection = select_backend()
+        # Quietly: nothing runs yet, so a fallback is told at the first call or select_backend() that returns it.
+        _import_selection = get_registry().select(DeviceInfo.detect(), warn=False)
     except Exception:  # never fail the import; the first call raises the full explanation
         pass

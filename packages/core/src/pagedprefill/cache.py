@@ -11,6 +11,7 @@ from typing import Optional, Union
 
 import torch
 
+from .placement import require_device
 from .types import KVCacheDType, KVLayout, PagedKVCache, ScaleLike
 from .validation import dtype_name, expected_x
 
@@ -41,6 +42,9 @@ def allocate_cache(
         layout: :class:`KVLayout` ``"nhd"`` or ``"split"``.
         kv_cache_dtype: ``auto`` or an FP8 format; FP8 caches are stored as ``uint8``.
         k_scale, v_scale: FP8 dequantisation scales carried by the returned descriptor.
+        device: where to allocate (default: torch's default device); one this process can use, else
+            :class:`~pagedprefill.DeviceUnavailableError` names it.
+        fill: a value for every element (default: uninitialised).
         x: elements per innermost K chunk of the split layout; default: those making 16 bytes (reduced to
             divide ``head_size``). Any ``x >= 1`` dividing ``head_size`` is valid.
     """
@@ -50,6 +54,8 @@ def allocate_cache(
                              ("num_kv_heads", num_kv_heads, 1), ("head_size", head_size, 1)):
         if not isinstance(value, int) or value < low:
             raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+    if device is not None:
+        device = require_device("device", device)
     storage = torch.uint8 if kv_dtype.is_fp8 else dtype
     if layout is KVLayout.SPLIT:
         if x is None:

@@ -17,6 +17,7 @@ import torch
 from . import plans
 from .device import DeviceInfo, DeviceLike, install_detection
 from .features import check_runnable
+from .placement import require_device
 from .registry import Backend, Registry
 from .types import PrefillProblem
 from .validation import NATIVE_NAMES, ArgumentNames, ValidateMode, validate_problem, validate_values
@@ -61,8 +62,12 @@ def select_backend(device: Union[DeviceLike, DeviceInfo] = None, backend: Backen
     """The backend that runs on ``device`` (default: the current device), following the selection rules.
 
     ``device`` may be a torch device (or index/string) or a hand-written :class:`DeviceInfo`.
-    Raises :class:`~pagedprefill.BackendUnavailableError` with every backend's reasons when none fits.
+    Raises :class:`~pagedprefill.BackendUnavailableError` with every backend's reasons when none fits, and
+    :class:`~pagedprefill.DeviceUnavailableError` naming ``device`` when it is absent (a hand-written
+    :class:`DeviceInfo` describes hardware that need not be present, and is not checked).
     """
+    if device is not None and not isinstance(device, DeviceInfo):
+        device = require_device("device", device)
     info = device if isinstance(device, DeviceInfo) else DeviceInfo.detect(device)
     return get_registry().select(info, backend)
 

@@ -13,7 +13,9 @@ from typing import Optional, Union
 
 import torch
 
+from .lengths import MAX_LENGTH, check_block_table, host_lengths
 from .options import FEATURES, KV_IN_CACHE, held_by
+from .placement import require_device
 
 __all__ = ["FEATURES", "AttentionOptions", "BatchMetadata", "KVCacheDType", "KVLayout", "PagedKVCache",
            "PrefillProblem", "ScaleLike"]
@@ -130,14 +132,25 @@ class BatchMetadata:
     ) -> BatchMetadata:
         """Build metadata from host lists of new-token and context lengths (a convenience for tests/tools).
 
-        ``query_lens`` and ``context_lens`` give one length per sequence, in the order of ``block_table``'s rows.
+        ``query_lens`` and ``context_lens`` give one length per sequence (lists or tuples of ints >= 0, or 1-D
+        integer tensors), in the order of ``block_table``'s rows; ``block_table`` is a
+        ``[num_seqs, max_blocks_per_seq]`` int32/int64 tensor. ``device`` (default: the block table's) must be
+        one this process can use. Each is checked here, and an error names the argument as written
+        (``query_lens[1]``), not the offsets derived from it.
         """
+        query_lens = host_lengths("query_lens", query_lens)
+        context_lens = host_lengths("context_lens", context_lens)
         if len(context_lens) != len(query_lens):
             raise ValueError(f"context_lens: expected one length per sequence, as many as query_lens "
                              f"({len(query_lens)}), got {len(context_lens)}")
-        if not isinstance(block_table, torch.Tensor):
-            raise TypeError(f"block_table: expected a torch.Tensor, got {type(block_table).__name__}")
-        device = block_table.device if device is None else torch.device(device)
+        for i, (new, cached) in enumerate(zip(query_lens, context_lens)):
+            if new + cached > MAX_LENGTH:
+                raise ValueError(f"context_lens[{i}]: expected query_lens[{i}] + context_lens[{i}] < 2**31, got "
+                                 f"{new} + {cached}")
+        if sum(query_lens) > MAX_LENGTH:
+            raise ValueError(f"query_lens: expected fewer than 2**31 new tokens in all, got {sum(query_lens)}")
+        check_block_table(block_table, len(query_lens))
+        device = block_table.device if device is None else require_device("device", device)
         q = torch.tensor(query_lens, dtype=torch.int32)
         c = torch.tensor(context_lens, dtype=torch.int32)
         start = torch.zeros(len(query_lens) + 1, dtype=torch.int32)

@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from typing import Optional
 
 from .. import __version__
-from ..registry import BackendUnavailableError
+from ..registry import BackendUnavailableError, FallbackWarning
 from .arguments import Parser
 
 DESCRIPTION = ("Prefix-prefill attention over a paged KV cache: show the device and backends (info), run a "
@@ -44,10 +45,13 @@ USER_ERRORS = (BackendUnavailableError, ValueError, TypeError)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Run the command line ``argv``; a user's mistake is one line on stderr and exit status 2."""
+    """Run the command line ``argv``; a user's mistake is one line on stderr and exit status 2, a fallback of
+    the automatic choice one warning line."""
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        with warnings.catch_warnings():  # the previous warning display comes back on exit
+            warnings.showwarning = _one_line_fallbacks(args.command, warnings.showwarning)
+            return int(args.func(args) or 0)
     except USER_ERRORS as exc:
         print(f"pagedprefill {args.command}: error: {error_line(exc, args)}", file=sys.stderr)
         return 2
@@ -55,6 +59,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so that the interpreter's final flush does not fail again
         return 1
+
+
+def _one_line_fallbacks(command: str, show):
+    """A ``warnings.showwarning`` that prints a :class:`~pagedprefill.registry.FallbackWarning` as one line
+    naming the command (its place in the library's code says nothing to the user), and others as ``show``."""
+    def display(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, FallbackWarning):
+            print(f"pagedprefill {command}: warning: {one_line(str(message))}", file=file or sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    return display
 
 
 def error_line(exc: Exception, args: argparse.Namespace) -> str:

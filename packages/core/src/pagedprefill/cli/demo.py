@@ -7,11 +7,16 @@ import time
 import torch
 
 from ..api import select_backend
-from ..device import DeviceInfo
+from ..backends.triton_base import TritonBackend
+from ..device import DeviceInfo, interpreter_enabled
 from ..testing.cases import DEFAULT_TOLERANCES
 from ..validation import dtype_name
 from ..workloads import BatchSpec, fresh_output, make_problem
 from .arguments import data_device, positive_int
+
+#: Timed runs by default, and where Triton's CPU interpreter runs the kernels (about 8 s a run on two cores).
+REPEATS = 5
+INTERPRETER_REPEATS = 1
 
 
 def demo_spec(device: torch.device) -> BatchSpec:
@@ -31,21 +36,33 @@ def cmd_demo(args) -> int:
     backend = select_backend(info, args.backend)
     spec = demo_spec(device)
     problem = make_problem(spec, device)
+    interpreted = runs_in_interpreter(backend, device)
+    repeats = args.repeats or (INTERPRETER_REPEATS if interpreted else REPEATS)
     print(f"device:  {info.describe()}")
     print(f"backend: {backend.name}")
     print(f"batch:   {len(spec.query_lens)} sequences, new tokens {list(spec.query_lens)}, cached "
           f"{list(spec.context_lens)}; q {tuple(problem.q.shape)}, heads {spec.num_heads}/{spec.num_kv_heads}, "
           f"block size {spec.block_size}, {dtype_name(spec.dtype)}")
+    if interpreted:
+        # Seconds per run here: say what is running, so that a quiet terminal is not taken for a hang.
+        chosen = "" if args.repeats else " (the default under the interpreter: --repeats N for more)"
+        print(f"Triton's CPU interpreter runs the kernels, several seconds a run: a checked warm-up run, then "
+              f"{repeats} timed run{'s' if repeats > 1 else ''}{chosen}", flush=True)
     from ..api import dispatch
 
+    t0 = time.perf_counter()
     dispatch(problem, backend=backend, validate="full")  # warm-up (compiles kernels), checked below
+    if interpreted:
+        print(f"warm-up run: {time.perf_counter() - t0:.1f} s", flush=True)
     times = []
-    for _ in range(args.repeats):
+    for i in range(repeats):
         _sync(device)
         t0 = time.perf_counter()
         dispatch(fresh_output(problem), backend=backend)
         _sync(device)
         times.append(time.perf_counter() - t0)
+        if interpreted:
+            print(f"timed run {i + 1} of {repeats}: {times[-1]:.1f} s", flush=True)
     out = problem.out.double()
     from ..testing.sdpa import sdpa_float64
 
@@ -66,6 +83,11 @@ def cmd_demo(args) -> int:
     return 0 if ok else 1
 
 
+def runs_in_interpreter(backend, device: torch.device) -> bool:
+    """Whether ``backend`` runs Triton's kernels in the CPU interpreter for tensors on ``device`` (seconds a run)."""
+    return device.type == "cpu" and interpreter_enabled() and isinstance(backend, TritonBackend)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -78,5 +100,7 @@ def register(sub) -> None:
                    help="torch device (default: the current GPU, else cpu)")
     p.add_argument("--backend", default=None,
                    help="backend name, as 'pagedprefill info' lists them (default: automatic selection)")
-    p.add_argument("--repeats", type=positive_int, default=5, help="timed runs, at least 1 (default: 5)")
+    p.add_argument("--repeats", type=positive_int, default=None,
+                   help=f"timed runs, at least 1 (default: {REPEATS}; {INTERPRETER_REPEATS} where Triton's CPU "
+                        "interpreter runs the kernels, each run taking seconds)")
     p.set_defaults(func=cmd_demo)

@@ -41,8 +41,13 @@ def cmd_info(args) -> int:
     """Print the device, every backend with its reasons, plugin load errors, and the choice."""
     info = _device_info(args)
     registry = get_registry()
+    registry.check_environment()  # a bad value is the one error line, before any output
     print(f"pagedprefill {__version__} (torch {torch.__version__})")
     print(f"device: {info.describe()}")
+    settings = [f"{declared.name}={declared.value()}" for _, declared in registry.environment_variables()
+                if declared.value()]
+    if settings:
+        print(f"environment: {', '.join(dict.fromkeys(settings))}")
     print("backends (highest priority first):")
     for row in registry.status(info):
         state = "supported" if row.supported else "unsupported"

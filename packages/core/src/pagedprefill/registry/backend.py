@@ -8,6 +8,7 @@ from ..device import DeviceInfo
 from ..errors import BackendUnavailableError, UnsupportedFeatureError
 from ..tiling import ProblemShape, TileConfig, TilingPolicy
 from ..types import PrefillProblem
+from ..variables import EnvironmentVariable
 
 __all__ = ["Backend", "BackendUnavailableError", "UnsupportedFeatureError"]  # the errors: re-exported
 
@@ -27,6 +28,9 @@ class Backend:
         supported_features: the optional features (names from :data:`pagedprefill.options.FEATURES`) the
             backend computes; dispatch refuses the others with :class:`UnsupportedFeatureError` naming them
             (:func:`pagedprefill.features.check_features`). None by default.
+        environment_variables: the environment variables the backend reads
+            (:class:`~pagedprefill.variables.EnvironmentVariable`, with the values each takes); selection refuses
+            any other value with a ``ValueError`` naming the variable. None by default.
         reads_metadata_on_host: whether the backend reads the lengths and block table on the host anyway (the
             reference does). Dispatch then runs the ``"full"`` value checks even with ``validate="basic"``
             (a bad block number is a ``ValueError`` naming the argument, not an ``IndexError``) and keeps no
@@ -38,6 +42,7 @@ class Backend:
     description: str = ""
     policy: Optional[TilingPolicy] = None
     supported_features: frozenset = frozenset()
+    environment_variables: tuple[EnvironmentVariable, ...] = ()
     reads_metadata_on_host: bool = False
 
     def supports(self, device: DeviceInfo) -> list[str]:

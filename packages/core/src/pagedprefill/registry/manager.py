@@ -10,7 +10,11 @@ Selection rules, in order:
 3. otherwise the supporting backend with the highest priority (ties broken by name).
 
 A plugin that fails to load is recorded with its error and skipped; asking for it by name raises that
-error.
+error. An automatic choice that passes over a backend for a reason of the installation (a
+:class:`~pagedprefill.registry.fallback.Fallback`), or made while a plugin failed, warns once per process.
+
+Every selection first checks the environment variables core and the backends declare
+(:mod:`pagedprefill.variables`): a value outside those declared is a ``ValueError`` naming the variable.
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ import pluggy
 import torch
 
 from ..device import DeviceInfo, fill_defaults, general_info, interpreter_enabled, vendor_override
+from ..variables import CORE_VARIABLES, EnvironmentVariable
 from . import hookspecs
 from .backend import Backend, BackendUnavailableError
+from .fallback import fallbacks_of, warn_fallback
 
 ENV_BACKEND = "PAGEDPREFILL_BACKEND"
 
@@ -59,8 +65,9 @@ class Registry:
         self._pm.add_hookspecs(hookspecs)
         self._load_errors: dict[str, str] = {}
         self._backends: Optional[dict[str, Backend]] = None
-        self._selected: dict[tuple, Backend] = {}
+        self._selected: dict[tuple, tuple[Backend, tuple]] = {}  # the choice and what it fell back from
         self._detected: dict[tuple, DeviceInfo] = {}
+        self._accepted_values: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         for plugin in builtins:
             self._pm.register(plugin)
@@ -116,6 +123,26 @@ class Registry:
                     continue
                 found[backend.name] = backend
         return found
+
+    def environment_variables(self) -> list[tuple[str, EnvironmentVariable]]:
+        """``(who reads it, declaration)`` of every environment variable core and the backends declare."""
+        declared = [("core", variable) for variable in CORE_VARIABLES]
+        for backend in self.backends():
+            declared += [(f"backend {backend.name!r}", variable) for variable in backend.environment_variables]
+        return declared
+
+    def check_environment(self) -> None:
+        """Raise ``ValueError`` naming the first declared environment variable whose value is not one it takes
+        (each distinct value is checked once per registry)."""
+        for owner, declared in self.environment_variables():
+            value = declared.value()
+            if not value or (declared.name, value) in self._accepted_values:
+                continue
+            problem = declared.problem(value)
+            if problem:
+                raise ValueError(f"{declared.name}={value!r}: {problem} ({declared.meaning}, read by {owner}); "
+                                 f"correct it, or unset {declared.name} for the default")
+            self._accepted_values.add((declared.name, value))
 
     def described_devices(self) -> dict[str, DeviceInfo]:
         """``{lower-case name: DeviceInfo}`` contributed by plugins (a failing hook is recorded and skipped)."""
@@ -188,21 +215,29 @@ class Registry:
                  self.load_errors.items()]
         return rows
 
-    def select(self, device: DeviceInfo, backend: Union[str, Backend, None] = None) -> Backend:
-        """Pick the backend for ``device`` following the module's rules (cached per device and choice)."""
+    def select(self, device: DeviceInfo, backend: Union[str, Backend, None] = None, *, warn: bool = True) -> Backend:
+        """Pick the backend for ``device`` following the module's rules (cached per device and choice).
+
+        An automatic choice that falls back warns (once per process) each time it is returned, unless ``warn``
+        is False: the selection at import, which runs nothing, leaves the warning to the first use."""
+        self.check_environment()
         if isinstance(backend, Backend):
             return self._require(backend, device)
         env = os.environ.get(ENV_BACKEND, "").strip()
         key = (device, backend, env, interpreter_enabled())
-        chosen = self._selected.get(key)
-        if chosen is None:
-            chosen = self._select_uncached(device, backend, env)
-            self._selected[key] = chosen
+        found = self._selected.get(key)
+        if found is None:
+            found = self._select_uncached(device, backend, env)
+            self._selected[key] = found
+        chosen, fallbacks = found
+        if fallbacks and warn:
+            warn_fallback(fallbacks, chosen.name, device)
         return chosen
 
-    def _select_uncached(self, device: DeviceInfo, backend: Optional[str], env: str) -> Backend:
+    def _select_uncached(self, device: DeviceInfo, backend: Optional[str], env: str) -> tuple[Backend, tuple]:
+        """The choice, and what it fell back from (:func:`~pagedprefill.registry.fallback.fallbacks_of`)."""
         if backend is not None:
-            return self._require(self.get(backend), device)
+            return self._require(self.get(backend), device), ()
         if env:
             names = [n.strip() for n in env.split(",") if n.strip()]
             if not names:
@@ -219,14 +254,17 @@ class Registry:
                     continue
                 reasons = _safe_supports(candidate, device)
                 if not reasons:
-                    return candidate
+                    return candidate, ()
                 problems.append(f"  - {name}: " + "; ".join(reasons))
             raise BackendUnavailableError(
                 f"{ENV_BACKEND}={env!r} names no backend that can run on {device.describe()} (unset "
                 f"{ENV_BACKEND} to choose automatically):\n" + "\n".join(problems))
+        passed_over = []
         for candidate in self.backends():
-            if not _safe_supports(candidate, device):
-                return candidate
+            reasons = _safe_supports(candidate, device)
+            if not reasons:
+                return candidate, fallbacks_of(passed_over, self.load_errors)
+            passed_over.append((candidate.name, reasons))
         raise BackendUnavailableError(self.no_backend_message(device))
 
     def _require(self, backend: Backend, device: DeviceInfo) -> Backend:

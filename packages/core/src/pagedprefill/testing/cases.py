@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Collection
+from typing import Optional
 
 import torch
 
@@ -76,6 +78,8 @@ CASES: dict[str, dict] = {
                                     "alibi": True},
     # optional features (see FEATURE_CASES): a backend that refuses one skips its cases, with the reason
     "skip_decode": {"skip_decode": True, "query_lens": (1, 6, 1, 13, 0), "context_lens": (20, 9, 0, 3, 5)},
+    # two new tokens are a prefill, not a decode row: written, with and without a prefix
+    "skip_decode_two_tokens": {"skip_decode": True, "query_lens": (2, 1, 2, 3), "context_lens": (11, 4, 0, 2)},
     "fp8_out": {"fp8_out_scale": 0.02},
     "fp8_out_clamped": {"fp8_out_scale": 0.002, "dtype": torch.float32},
     "non_causal": {"causal": False},
@@ -142,14 +146,29 @@ def case_spec(name: str, size: str = "small", seed: int = 0) -> BatchSpec:
     return BASE.replace(seed=seed, **changes)
 
 
-def random_spec(seed: int, size: str = "small", dtypes=(torch.float16, torch.float32)) -> BatchSpec:
-    """A random case for property sweeps: ragged lengths, block size, head size, GQA ratio, options."""
+#: The cache formats a random case draws from (``auto`` twice as often as each FP8 format).
+RANDOM_KV_CACHE_DTYPES = ("auto", "auto", "fp8_e4m3", "fp8_e5m2")
+
+
+def random_spec(seed: int, size: str = "small", dtypes=(torch.float16, torch.float32),
+                kv_cache_dtypes: Optional[Collection[str]] = None,
+                features: Optional[Collection[str]] = None) -> BatchSpec:
+    """A random case for property sweeps: ragged lengths, block size, head size, GQA ratio, options.
+
+    ``kv_cache_dtypes`` (default: every format) and ``features`` (the optional features of
+    :data:`pagedprefill.options.FEATURES` a case may use; default: all) narrow the draw to what a backend runs.
+    Left at their defaults, a seed gives the same case as it always has.
+    """
     rng = random.Random(seed)
     hkv = rng.choice([1, 2])
     group = rng.choice([1, 2, 3, 4, 8])
     scale = 8 if size == "large" else 1
     n = rng.randint(1, 4)
-    kv_dtype = rng.choice(["auto", "auto", "fp8_e4m3", "fp8_e5m2"])
+    formats = [f for f in RANDOM_KV_CACHE_DTYPES if kv_cache_dtypes is None or f in kv_cache_dtypes]
+    if not formats:
+        raise ValueError(f"kv_cache_dtypes: expected at least one of {sorted(set(RANDOM_KV_CACHE_DTYPES))}, got "
+                         f"{sorted(kv_cache_dtypes)}")
+    kv_dtype = rng.choice(formats)
     layout = rng.choice(["nhd", "split"])
     spec = BatchSpec(
         query_lens=tuple(rng.choice([0, 1, rng.randint(1, 40 * scale)]) for _ in range(n)),
@@ -170,10 +189,17 @@ def random_spec(seed: int, size: str = "small", dtypes=(torch.float16, torch.flo
         x = rng.choice([None, None, 1, 2, 4, 8, 16])
         if x is not None and spec.head_size % x == 0:
             spec = spec.replace(x=x)
-    # The optional features (a backend without one checks that it refuses the case, naming it).
-    spec = spec.replace(causal=rng.random() >= 0.15, skip_decode=rng.random() < 0.15,
-                        kv_in_cache=rng.random() < 0.15,
-                        fp8_out_scale=round(rng.uniform(0.01, 0.1), 3) if rng.random() < 0.1 else None)
+    # The optional features (a backend without one checks that it refuses the case, naming it). Every number is
+    # drawn whatever ``features`` allows, so that narrowing one feature leaves the others' draws as they were.
+    def allowed(feature: str) -> bool:
+        return features is None or feature in features
+
+    non_causal, skip_decode, kv_in_cache = rng.random() < 0.15, rng.random() < 0.15, rng.random() < 0.15
+    fp8_out_scale = round(rng.uniform(0.01, 0.1), 3) if rng.random() < 0.1 else None
+    spec = spec.replace(causal=not (non_causal and allowed("non_causal")),
+                        skip_decode=skip_decode and allowed("skip_decode"),
+                        kv_in_cache=kv_in_cache and allowed("kv_in_cache"),
+                        fp8_out_scale=fp8_out_scale if allowed("fp8_out_scale") else None)
     return spec
 
 

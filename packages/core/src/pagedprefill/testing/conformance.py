@@ -42,6 +42,7 @@ from .cases import (
     CASES,
     DEFAULT_TOLERANCES,
     MULTI_TILE_CASES,
+    RANDOM_KV_CACHE_DTYPES,
     SMALL_TILE,
     assert_matches_reference,
     case_spec,
@@ -99,8 +100,15 @@ class ConformanceSuite:
         return case_spec(case, size, seed)
 
     def sweep_spec(self, seed: int, size: str, dtypes: tuple) -> BatchSpec:
-        """The batch of one random sweep case (override like :meth:`case_spec`)."""
-        return random_spec(seed, size, dtypes)
+        """The batch of one random sweep case (override like :meth:`case_spec`), drawn from what the backend
+        runs: no cache format of :attr:`excluded_kv_cache_dtypes`, and only the optional features it lists in
+        ``supported_features`` (the named cases check that it refuses the others), so that every sweep case
+        is computed and compared."""
+        excluded = {fmt.value for fmt in self._excluded_cache_dtypes()}
+        formats = {fmt for fmt in RANDOM_KV_CACHE_DTYPES if fmt not in excluded}
+        features = get_registry().get(self.backend).supported_features
+        # A backend that runs every format and feature draws the cases every such backend shares.
+        return random_spec(seed, size, dtypes, kv_cache_dtypes=formats, features=features)
 
     def _skip_reason(self, spec: BatchSpec, device: torch.device, case: Optional[str] = None) -> Optional[str]:
         if case is not None and case in self.exclusions:
