@@ -201,3 +201,19 @@ def test_search_space_fits_and_is_declared(monkeypatch):
     # small enough that the default keys tune in minutes (each candidate is a compile of a few seconds)
     assert 8 <= len(h200) <= 20
     assert sm80_policy(shape, H200) in h200 or rule_config(shape, H200) in h200
+
+
+@pytest.mark.parametrize("name, value, words", [
+    ("PAGEDPREFILL_SM80_KERNEL", "bogus", "expected one of auto, hopper, portable"),
+    ("PAGEDPREFILL_SM80_SCHEDULE", "TURNS=1", "got 'TURNS=1'"),
+])
+def test_a_bad_value_of_sm80s_variables_is_refused_at_selection_on_any_machine(monkeypatch, name, value, words):
+    """Checked when a backend is selected, on a machine without an sm90 GPU too (where no policy reads them)."""
+    import pagedprefill as pp
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name) as raised:
+        pp.select_backend("cpu")
+    assert words in str(raised.value)
+    monkeypatch.setenv(name, "")
+    pp.select_backend("cpu")

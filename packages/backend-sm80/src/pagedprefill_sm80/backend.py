@@ -10,9 +10,20 @@ from pagedprefill.device import DeviceInfo
 from pagedprefill.tiling import ProblemShape, TileConfig
 from pagedprefill.tuning import tables_state
 from pagedprefill.types import PrefillProblem
+from pagedprefill.variables import EnvironmentVariable
 
+from .hopper import schedule
 from .hopper.schedule import shape_unfit_reason
-from .policy import choose_kernel, hopper_schedule, kernel_preference, portable_config, search_space, sm80_policy
+from .policy import (
+    KERNEL_CHOICES,
+    KERNEL_ENV,
+    choose_kernel,
+    hopper_schedule,
+    kernel_preference,
+    portable_config,
+    search_space,
+    sm80_policy,
+)
 
 MIN_CAPABILITY = (8, 0)
 
@@ -22,6 +33,12 @@ class Sm80Backend(TritonBackend):
     priority = 200
     description = "Triton kernels tuned for NVIDIA sm80+ (A100, L40, H100/H200, B200)"
     policy = staticmethod(sm80_policy)
+    #: Checked at every selection, so a misspelt value is an error naming the variable on any machine, not only
+    #: when a policy runs on sm90.
+    environment_variables = (
+        EnvironmentVariable(KERNEL_ENV, "the kernel sm80 runs on sm90 GPUs", choices=KERNEL_CHOICES),
+        EnvironmentVariable(schedule.SCHEDULE_ENV, "the Hopper kernel's schedule flags", check=schedule.parse),
+    )
 
     def hardware_reasons(self, device: DeviceInfo) -> list[str]:
         reasons = []
