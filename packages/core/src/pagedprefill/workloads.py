@@ -341,7 +341,7 @@ def kv_bytes(spec: BatchSpec) -> int:
     window leaves visible to some query; none for a sequence with no new token, or one that ``skip_decode``
     leaves out)."""
     fp8 = KVCacheDType.parse(spec.kv_cache_dtype).is_fp8
-    element = 1 if fp8 else torch.empty((), dtype=spec.dtype).element_size()
+    element = 1 if fp8 else spec.dtype.itemsize
     tokens = 0
     for q, c in zip(spec.query_lens, spec.context_lens):
         if q == 0 or (spec.skip_decode and q == 1):
