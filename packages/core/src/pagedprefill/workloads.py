@@ -235,7 +235,7 @@ class Workload:
 
 
 def _spread(count: int, low: int, high: int) -> tuple[int, ...]:
-    """``count`` lengths evenly spaced from ``low`` to ``high``, both included."""
+    """``count`` (at least 2) lengths evenly spaced from ``low`` to ``high``, both included."""
     return tuple(low + ((high - low) * i) // (count - 1) for i in range(count))
 
 
