@@ -1,6 +1,6 @@
 """Workloads: random paged batches (:class:`BatchSpec`, :func:`make_problem`) for tests, the demo, ``bench``
-and ``tune``, and the benchmark suites (:func:`default_suite`, :func:`context_suite`, with exact FLOP
-counts).
+and ``tune``, and the benchmark suites (:func:`default_suite`, :func:`context_suite`, :func:`engine_suite`,
+with exact FLOP counts and, for memory-bound rows, the K/V bytes a call must read: :func:`kv_bytes`).
 
 Data is N(0, 1) (never zeros), lengths are ragged, and each sequence's blocks are a random subset of the
 cache in shuffled order, with unused blocks also filled with random data, so wrong indexing shows.
@@ -15,9 +15,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from .cache import allocate_cache, fp8_scale_for, quantize_fp8, write_to_cache
-from .types import AttentionOptions, BatchMetadata, KVCacheDType, PrefillProblem
-from .validation import dtype_name
+from .cache import allocate_cache, as_stored_type, fp8_scale_for, quantize_fp8, write_to_cache
+from .types import AttentionOptions, BatchMetadata, KVCacheDType, KVLayout, PagedKVCache, PrefillProblem
+from .validation import dtype_name, expected_x
 
 
 @dataclass(frozen=True)
@@ -130,11 +130,7 @@ def make_problem(spec: BatchSpec, device="cpu") -> PrefillProblem:
     k = randn(T, Hkv, D, dtype=spec.dtype)
     v = randn(T, Hkv, D, dtype=spec.dtype)
     if spec.kv_in_cache:  # write the new tokens where the table puts positions ctx .. ctx + q - 1, then drop k/v
-        slots = []
-        for i, (n, c) in enumerate(zip(qlens, clens)):
-            pos = torch.arange(c, c + n)
-            slots.append(table[i, pos // bs].long() * bs + pos % bs)
-        write_to_cache(cache, k, v, torch.cat(slots + [torch.zeros(0, dtype=torch.long)]).to(device))
+        write_to_cache(cache, k, v, new_token_slots(qlens, clens, table, bs).to(device))
         k = v = None
     out_dtype = torch.float8_e4m3fn if spec.fp8_out_scale is not None else spec.dtype
     out = torch.full(q.shape, float("nan"), dtype=out_dtype, device=device)
@@ -149,6 +145,67 @@ def make_problem(spec: BatchSpec, device="cpu") -> PrefillProblem:
         fp8_out_scale=spec.fp8_out_scale,
     )
     return PrefillProblem(q=q, k=k, v=v, out=out, cache=cache, batch=batch, options=options)
+
+
+def new_token_slots(query_lens: Sequence[int], context_lens: Sequence[int], block_table: torch.Tensor,
+                    block_size: int) -> torch.Tensor:
+    """``[sum(query_lens)]`` int64 cache slots (``block * block_size + offset``) of every new token, in token
+    order: sequence ``i``'s tokens sit at positions ``context_lens[i] ..`` of row ``i`` of ``block_table``
+    (read on the host)."""
+    table = block_table.cpu()
+    slots = [torch.zeros(0, dtype=torch.long)]
+    for i, (n, c) in enumerate(zip(query_lens, context_lens)):
+        pos = torch.arange(c, c + n)
+        slots.append(table[i, pos // block_size].long() * block_size + pos % block_size)
+    return torch.cat(slots)
+
+
+def classic_twin(problem: PrefillProblem, layout: str = "nhd") -> PrefillProblem:
+    """The classic form of an engine problem (k = v = None, on an NHD cache that holds every token): the same
+    queries, batch and cached values, with the new tokens' keys/values read back out of the cache and passed
+    separately, on a cache of ``layout`` (``"nhd"``: the same cache tensors; ``"split"``: a copy in the split
+    layout, 16 bytes per innermost K chunk). A new NaN-poisoned output.
+
+    The two forms attend to the same values, so their outputs compare with one reference. (An FP8 cache's new
+    tokens come back dequantised, in the query dtype.)
+    """
+    if not problem.kv_in_cache:
+        raise ValueError("problem: expected an engine problem with k = v = None (BatchSpec(kv_in_cache=True)), "
+                         "got one with the new tokens' keys/values passed separately")
+    if problem.cache.layout is not KVLayout.NHD:
+        raise ValueError(f"problem: expected its cache in the NHD layout (the engine's), got {problem.cache.layout}")
+    if layout not in ("nhd", "split"):
+        raise ValueError(f"layout: expected 'nhd' or 'split', got {layout!r}")
+    b = problem.batch
+    seq, ctx = b.seq_lens.tolist(), b.context_lens.tolist()
+    slots = new_token_slots([s - c for s, c in zip(seq, ctx)], ctx, b.block_table, problem.cache.block_size)
+    k, v = _read_slots(problem.cache, slots.to(problem.device), problem.q.dtype)
+    cache = problem.cache if layout == "nhd" else _split_copy(problem.cache)
+    twin = dataclasses.replace(problem, k=k, v=v, cache=cache)
+    return fresh_output(twin)
+
+
+def _read_slots(cache: PagedKVCache, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values at ``slots`` of an NHD cache, ``[len(slots), Hkv, D]`` each, in ``dtype`` (FP8
+    dequantised with the cache's scales)."""
+    rows = []
+    for t, scale in ((cache.key, cache.k_scale), (cache.value, cache.v_scale)):
+        flat = as_stored_type(t, cache.dtype).reshape(-1, cache.num_kv_heads, cache.head_size)
+        picked = flat[slots]
+        if cache.dtype.is_fp8:
+            picked = picked.float() * scale  # a float, or a 0-d / 1-element tensor: both broadcast
+        rows.append(picked.to(dtype).contiguous())
+    return rows[0], rows[1]
+
+
+def _split_copy(cache: PagedKVCache) -> PagedKVCache:
+    """An NHD cache's values in the split layout (K ``[blocks, Hkv, D // x, block, x]``, V ``[blocks, Hkv, D,
+    block]``, ``x`` making 16 bytes), a new copy."""
+    nb, bs, hkv, d = cache.key.shape
+    x = expected_x(d, cache.key.element_size())
+    key = cache.key.view(nb, bs, hkv, d // x, x).permute(0, 2, 3, 1, 4).contiguous()
+    value = cache.value.permute(0, 2, 3, 1).contiguous()
+    return dataclasses.replace(cache, key=key, value=value, layout=KVLayout.SPLIT)
 
 
 def with_output(problem: PrefillProblem, out: torch.Tensor) -> PrefillProblem:
@@ -167,11 +224,19 @@ LLAMA3_8B = dict(num_heads=32, num_kv_heads=8, head_size=128, block_size=16, dty
 
 @dataclass(frozen=True)
 class Workload:
-    """A named batch of the benchmark suite; ``note`` is printed with its row."""
+    """A named batch of the benchmark suite; ``note`` is printed with its row. A ``memory_bound`` row is
+    limited by reading the K/V cache, not by the matrix units (decode, speculative): ``bench`` gives its
+    GB/s of :func:`kv_bytes` beside its TFLOP/s."""
 
     name: str
     spec: BatchSpec
     note: str = ""
+    memory_bound: bool = False
+
+
+def _spread(count: int, low: int, high: int) -> tuple[int, ...]:
+    """``count`` (at least 2) lengths evenly spaced from ``low`` to ``high``, both included."""
+    return tuple(low + ((high - low) * i) // (count - 1) for i in range(count))
 
 
 def default_suite() -> list[Workload]:
@@ -179,7 +244,7 @@ def default_suite() -> list[Workload]:
     base = BatchSpec(**LLAMA3_8B, spare_blocks=0)
     prefix = base.replace(query_lens=(1024,) * 8, context_lens=(7168,) * 8)
     chunked = base.replace(query_lens=(2048,) * 4, context_lens=(0, 10000, 20000, 30000))
-    short_ctx = tuple(1024 + (3072 * i) // 63 for i in range(64))
+    short_ctx = _spread(64, 1024, 4096)
     return [
         Workload("prefix-cached 8x(1024+7168)", prefix),
         Workload("long prefill 2x8192", base.replace(query_lens=(8192,) * 2, context_lens=(0, 0))),
@@ -201,8 +266,51 @@ def context_suite() -> list[Workload]:
     return [Workload(f"context 2x(1024+{k}k)", base.replace(context_lens=(k * 1024,) * 2)) for k in (8, 32, 128)]
 
 
+def engine_suite() -> list[Workload]:
+    """The serving engine's suite: batches as an engine's steps make them (prefix-cached prefills at pages of
+    16 and 128, a long prefill, chunks, many short sequences, a mixed step of a chunk and decode rows, decode,
+    speculative rows, head sizes 64 and 256), then few sequences on long contexts. Llama-3-8B shapes unless
+    the name says otherwise; ``bench`` times each the engine's way (k = v = None, every key and value read
+    from the cache) and the classic way."""
+    base = BatchSpec(**LLAMA3_8B, spare_blocks=0)
+    prefix = base.replace(query_lens=(1024,) * 8, context_lens=(7168,) * 8)
+    return [
+        Workload("prefix-cached 8x(1024+7168)", prefix),
+        Workload("prefix-cached 8x(1024+7168) block 128", prefix.replace(block_size=128)),
+        Workload("long prefill 2x8192", base.replace(query_lens=(8192,) * 2, context_lens=(0, 0))),
+        Workload("chunked 4x2048 ctx 0..30k", base.replace(query_lens=(2048,) * 4,
+                                                            context_lens=(0, 10000, 20000, 30000))),
+        Workload("many short 64x128 ctx 1k..4k", base.replace(query_lens=(128,) * 64,
+                                                               context_lens=_spread(64, 1024, 4096))),
+        Workload("mixed 2048 on 8k + 128 decode ctx 1k..8k",
+                 base.replace(query_lens=(2048,) + (1,) * 128, context_lens=(8192,) + _spread(128, 1024, 8192))),
+        Workload("decode 256x ctx 4k", base.replace(query_lens=(1,) * 256, context_lens=(4096,) * 256),
+                 memory_bound=True),
+        Workload("speculative 128x4 ctx 1k..8k", base.replace(query_lens=(4,) * 128,
+                                                              context_lens=_spread(128, 1024, 8192)),
+                 memory_bound=True),
+        Workload("D64 32/32 heads prefix-cached", prefix.replace(head_size=64, num_kv_heads=32)),
+        Workload("D256 16/8 heads prefix-cached", prefix.replace(head_size=256, num_heads=16)),
+        *long_context_engine_rows(base),
+    ]
+
+
+def long_context_engine_rows(base: BatchSpec) -> list[Workload]:
+    """The engine suite's few sequences on long contexts (``base``: their shapes): rows that give the device
+    few programs unless a kernel splits the keys."""
+    return [
+        Workload("decode 4x ctx 128k", base.replace(query_lens=(1,) * 4, context_lens=(131072,) * 4),
+                 memory_bound=True),
+        Workload("decode 16x ctx 32k", base.replace(query_lens=(1,) * 16, context_lens=(32768,) * 16),
+                 memory_bound=True),
+        Workload("speculative 2x8 on 64k", base.replace(query_lens=(8,) * 2, context_lens=(65536,) * 2),
+                 memory_bound=True),
+        Workload("chunk 256 on 128k", base.replace(query_lens=(256,), context_lens=(131072,))),
+    ]
+
+
 #: The suites ``pagedprefill bench --suite`` runs, by name.
-SUITES = {"default": default_suite, "context": context_suite}
+SUITES = {"default": default_suite, "context": context_suite, "engine": engine_suite}
 
 
 def attended_pairs(spec: BatchSpec) -> int:
@@ -225,3 +333,19 @@ def attended_pairs(spec: BatchSpec) -> int:
 def flops(spec: BatchSpec) -> float:
     """FLOPs of the batch: ``4 * D * H * attended (query, key) pairs``."""
     return 4.0 * spec.head_size * spec.num_heads * attended_pairs(spec)
+
+
+def kv_bytes(spec: BatchSpec) -> int:
+    """Bytes of keys and values a call must read, in the cache's storage dtype: each sequence's keys and
+    values once, ``2 * Hkv * D * element size`` per token, for its context and new tokens (only the keys a
+    window leaves visible to some query; none for a sequence with no new token, or one that ``skip_decode``
+    leaves out)."""
+    fp8 = KVCacheDType.parse(spec.kv_cache_dtype).is_fp8
+    element = 1 if fp8 else spec.dtype.itemsize
+    tokens = 0
+    for q, c in zip(spec.query_lens, spec.context_lens):
+        if q == 0 or (spec.skip_decode and q == 1):
+            continue
+        # the union of the queries' windows: positions max(0, c - w + 1) .. c + q - 1
+        tokens += min(c + q, q + spec.sliding_window - 1) if spec.sliding_window else c + q
+    return 2 * spec.num_kv_heads * spec.head_size * element * tokens

@@ -12,6 +12,14 @@ The host-overhead row times 2000 calls on a tiny batch without synchronising (so
 the public drop-in ``context_attention_fwd``, against a bare Triton launch of core's kernel with its
 arguments prepared once (what a hand-written launch of such a kernel costs; a backend's own kernel, such as
 sm80's Hopper kernel, takes a launch of the same kind).
+
+The engine suite (``--suite engine``, :func:`run_engine_suite`) times each workload the way a serving engine
+calls attention: ``pagedprefill.vllm.context_attention_fwd`` with k = v = None on an NHD cache that holds every
+token (the new tokens' keys and values written into it first), beside the classic drop-in on each layout asked
+for, all on the same data; its peer is FlashAttention-4 (:mod:`.fa4`) whenever ``flash_attn.cute`` imports.
+Every column's output is compared with the float32 reference before it is timed, and a wrong one is reported
+and not timed. Memory-bound rows also get GB/s of the K/V bytes the call must read
+(:func:`~pagedprefill.workloads.kv_bytes`).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -28,7 +37,18 @@ from .. import accelerator
 from ..cache import gather_kv
 from ..features import check_runnable
 from ..types import PrefillProblem
-from ..workloads import SUITES, BatchSpec, Workload, flops, fresh_output, make_problem
+from ..workloads import (
+    SUITES,
+    BatchSpec,
+    Workload,
+    classic_twin,
+    flops,
+    fresh_output,
+    kv_bytes,
+    make_problem,
+    with_output,
+)
+from . import fa4 as fa4_peer
 from .arguments import data_device, positive_int
 
 
@@ -151,6 +171,271 @@ def run_suite(backends: list[str], workloads: list[Workload], device: torch.devi
     return rows
 
 
+@dataclass(frozen=True)
+class Column:
+    """One column of the engine suite on one workload.
+
+    ``run`` computes the workload once and returns the output it wrote (None with ``refused``: why the column
+    does not run); ``fields`` go into its row (backend, call, layout, kernel). ``ours``: one of our backends,
+    whose exceptions are bugs and propagate (a peer's are reported). ``checked``: compared with the reference
+    before it is timed (all but the reference itself).
+    """
+
+    label: str
+    run: Optional[Callable[[], torch.Tensor]]
+    fields: dict = field(default_factory=dict)
+    ours: bool = False
+    checked: bool = True
+    refused: Optional[str] = None
+
+
+def engine_call(problem: PrefillProblem, backend: str) -> Callable[[], torch.Tensor]:
+    """The serving engine's call of ``problem`` (k = v = None, every key and value in the cache):
+    ``pagedprefill.vllm.context_attention_fwd`` with vLLM's arguments; returns the output it writes."""
+    from .. import vllm
+
+    c, b, p = problem.cache, problem.batch, problem
+    max_seq, max_query = int(b.seq_lens.max()), int(b.query_start.diff().max())
+
+    def run() -> torch.Tensor:
+        vllm.context_attention_fwd(p.q, None, None, p.out, str(c.dtype), c.key, c.value, b.block_table,
+                                   b.query_start, b.seq_lens, max_seq, max_query, c.k_scale, c.v_scale,
+                                   sm_scale=p.options.sm_scale, backend=backend)
+        return p.out
+
+    return run
+
+
+def classic_call(problem: PrefillProblem, backend: str) -> Callable[[], torch.Tensor]:
+    """The classic call of ``problem`` (the new tokens' keys and values passed separately): the drop-in
+    ``pagedprefill.context_attention_fwd``; returns the output it writes."""
+    from .. import api
+
+    c, b, p = problem.cache, problem.batch, problem
+    max_query = int(b.query_start.diff().max())
+
+    def run() -> torch.Tensor:
+        api.context_attention_fwd(p.q, p.k, p.v, p.out, str(c.dtype), c.key, c.value, b.block_table, b.query_start,
+                                  b.seq_lens, b.context_lens, max_query, c.k_scale, c.v_scale,
+                                  sm_scale=p.options.sm_scale, backend=backend)
+        return p.out
+
+    return run
+
+
+def _check_plain(workload: Workload) -> None:
+    """Refuse a workload with options: the engine suite passes both drop-ins the arguments they take alike,
+    which cover plain causal attention (with any scale and cache dtype) only."""
+    s = workload.spec
+    options = {"alibi": s.alibi, "sinks": s.sinks, "softcap": bool(s.softcap), "sliding_window": bool(s.sliding_window),
+               "causal=False": not s.causal, "skip_decode": s.skip_decode, "fp8_out_scale": s.fp8_out_scale is not None}
+    used = [name for name, on in options.items() if on]
+    if used:
+        raise ValueError(f"workload {workload.name!r}: the engine suite times plain causal attention, the call both "
+                         f"drop-ins take alike; this one sets {', '.join(used)}")
+
+
+def engine_forms(engine: PrefillProblem, layouts) -> list[tuple[str, str, PrefillProblem]]:
+    """``(call, layout, problem)`` for each of our columns: the engine's call where NHD is asked for (vLLM's
+    layout), then the classic call on each layout (NHD first, beside the engine's), all holding the same data."""
+    forms = [("engine", "nhd", engine)] if "nhd" in layouts else []
+    ordered = sorted(layouts, key=lambda layout: layout != "nhd")
+    return forms + [("classic", layout, classic_twin(engine, layout)) for layout in ordered]
+
+
+def _column_label(backend: str, call: str, layout: str, backends) -> str:
+    name = "engine" if call == "engine" else layout
+    return f"{backend} {name}" if len(backends) > 1 else name
+
+
+def our_columns(backends: list[str], forms, info) -> list[Column]:
+    """A column per backend and form, each writing its own NaN-poisoned output; a form the backend refuses
+    is a column that says why."""
+    from ..api import get_registry
+
+    columns = []
+    for name in backends:
+        backend = get_registry().get(name)
+        for call, layout, form in forms:
+            problem = fresh_output(form)
+            label = _column_label(name, call, layout, backends)
+            fields = {"backend": name, "call": call, "layout": layout}
+            try:
+                check_runnable(backend, problem, info)
+            except Exception as exc:  # said in the table and the JSON, not silently left out
+                columns.append(Column(label, None, fields, ours=True, refused=one_line_reason(exc)))
+                continue
+            run = engine_call(problem, name) if call == "engine" else classic_call(problem, name)
+            columns.append(Column(label, run, {**fields, "kernel": backend.kernel_for(problem, info)}, ours=True))
+    return columns
+
+
+def peer_columns(engine: PrefillProblem, fa4, with_reference: bool, info) -> list[Column]:
+    """The reference (unless left out) and, with ``fa4`` (the imported ``flash_attn.cute``), FA4's two
+    columns, all on the engine's problem."""
+    from ..api import get_registry
+
+    columns = []
+    if with_reference:
+        problem = fresh_output(engine)
+
+        def reference() -> torch.Tensor:
+            get_registry().get("reference").run(problem, info)
+            return problem.out
+
+        columns.append(Column("reference", reference, {"call": "reference", "layout": "nhd"}, checked=False))
+    if fa4 is not None:
+        refused = fa4_peer.unsupported(engine)
+        for label, make in (("fa4", fa4_peer.paged_call), ("fa4 contig", fa4_peer.contiguous_call)):
+            run = make(fa4, engine) if refused is None else None
+            columns.append(Column(label, run, {"call": "peer", "layout": "nhd"}, refused=refused))
+    return columns
+
+
+def reference_output(problem: PrefillProblem) -> torch.Tensor:
+    """``problem``'s reference output, computed and kept in float32 (not rounded to the output dtype)."""
+    from ..reference_impl import reference_prefill
+
+    expect = torch.full(problem.out.shape, float("nan"), dtype=torch.float32, device=problem.device)
+    return reference_prefill(with_output(problem, expect))
+
+
+def output_error(out: torch.Tensor, expected: torch.Tensor) -> dict:
+    """How far ``out`` is from the float32 ``expected``: ``max_abs_err``, ``rel_l2``, and ``within_tolerance``
+    (finite, and every element within the conformance suite's tolerance for ``out``'s dtype)."""
+    from ..testing.cases import DEFAULT_TOLERANCES
+
+    if tuple(out.shape) != tuple(expected.shape):
+        return {"within_tolerance": False, "shape": list(out.shape)}
+    atol, rtol = DEFAULT_TOLERANCES.get(out.dtype, DEFAULT_TOLERANCES[torch.bfloat16])
+    got = out.float()
+    diff = (got - expected).abs()
+    finite = bool(torch.isfinite(got).all())
+    within = finite and bool((diff <= atol + rtol * expected.abs()).all())
+    rel_l2 = float(diff.norm() / expected.norm().clamp_min(torch.finfo(torch.float32).tiny))
+    return {"max_abs_err": float(diff.max()), "rel_l2": rel_l2, "within_tolerance": within}
+
+
+def _peak_extra_mib(run: Callable[[], object], device: torch.device) -> Optional[float]:
+    """MiB that one call allocates beyond what is held before it (None on the CPU, which keeps no count)."""
+    if device.type == "cpu":
+        return None
+    accelerator.synchronize(device)
+    accelerator.reset_peak_memory_stats(device)
+    base = accelerator.memory_allocated(device)
+    run()
+    accelerator.synchronize(device)
+    return (accelerator.max_memory_allocated(device) - base) / 2**20
+
+
+def measure_column(workload: Workload, column: Column, expected: torch.Tensor, device: torch.device, reps: int,
+                   time_ms: Callable[[Callable[[], object], int], float]) -> dict:
+    """The row of ``column`` on ``workload``: its first call (compile included), its output checked against
+    ``expected``, then its median time, TFLOP/s and, for a memory-bound workload, GB/s. A column that is
+    refused, fails (a peer) or computes a wrong output gets a ``status`` and a ``reason`` and is not timed."""
+    row = {"workload": workload.name, "impl": column.label, "note": workload.note,
+           "memory_bound": workload.memory_bound, **column.fields}
+    if column.refused is not None:
+        return {**row, "status": "not run", "reason": column.refused}
+    started = time.perf_counter()
+    try:
+        out = column.run()
+        accelerator.synchronize(device)
+    except Exception as exc:
+        if column.ours:
+            raise
+        return {**row, "status": "failed", "reason": one_line_reason(exc)}
+    row["first_call_s"] = time.perf_counter() - started
+    if column.checked:
+        row.update(output_error(out, expected))
+        if not row["within_tolerance"]:
+            return {**row, "status": "wrong output", "reason": _wrong_reason(row)}
+    row["peak_extra_mib"] = _peak_extra_mib(column.run, device)
+    ms = time_ms(column.run, 10 if column.fields.get("call") == "reference" else reps)  # it is slow: as run_suite
+    row.update(ms=ms, tflops=flops(workload.spec) / ms / 1e9)
+    if workload.memory_bound:
+        row["gbps"] = kv_bytes(workload.spec) / ms / 1e6
+    return row
+
+
+def _wrong_reason(row: dict) -> str:
+    if "shape" in row:
+        return f"output of shape {row['shape']}, not the queries' [tokens, heads, head size]"
+    return (f"max abs error {row['max_abs_err']:.3g}, relative L2 {row['rel_l2']:.3g} against the float32 "
+            f"reference (beyond the conformance tolerance); not timed")
+
+
+def one_line_reason(exc: BaseException) -> str:
+    """An exception as one line for a table's reason: its type and its message's first line."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def progress_line(row: dict) -> str:
+    """The line printed as a column of a workload finishes."""
+    label = f"    {row['impl']:<16}"
+    if "status" in row:
+        return f"{label} {row['status']}: {row['reason']}"
+    line = f"{label} {row['ms']:9.3f} ms {row['tflops']:8.1f} TFLOP/s"
+    if "gbps" in row:
+        line += f" {row['gbps']:8.1f} GB/s"
+    if "kernel" in row:
+        line += f"  first call {row['first_call_s']:.1f} s, {row['kernel']} kernel"
+    if "max_abs_err" in row:
+        line += f", max abs error {row['max_abs_err']:.1e}"
+    return line
+
+
+def _runnable(backends: list[str], info, say: Callable[[str], None]) -> list[str]:
+    """The backends that can run on the device; each other one is named with its reasons."""
+    from ..api import get_registry
+
+    kept = []
+    for name in backends:
+        reasons = get_registry().get(name).supports(info)
+        if reasons:
+            say(f"{name}: not run on {info.name}: {'; '.join(reasons)}")
+        else:
+            kept.append(name)
+    return kept
+
+
+def run_engine_suite(backends: list[str], workloads: list[Workload], device: torch.device, reps: int = 100,
+                     with_reference: bool = True, progress: Optional[Callable[[str], None]] = None,
+                     layouts=("split", "nhd"), fa4=None,
+                     time_ms: Optional[Callable[[Callable[[], object], int], float]] = None) -> list[dict]:
+    """Time every workload the engine's way and the classic way for each backend, and its peers; one row per
+    (workload, column).
+
+    Each workload is built once in the engine's form (NHD, k = v = None) and its classic twins are read off it
+    (:func:`~pagedprefill.workloads.classic_twin`), so that every column computes the same attention; the
+    float32 reference of it checks every column's output before the column is timed. ``fa4``: the imported
+    ``flash_attn.cute`` (see :func:`.fa4.load`), or None for no FA4 columns. ``time_ms(run, reps)``: the
+    median milliseconds of ``run`` (default: ``triton.testing.do_bench``, device events).
+    """
+    from ..device import DeviceInfo
+
+    info = DeviceInfo.detect(device)
+    say = progress or (lambda message: None)
+    time_ms = time_ms or _median_ms
+    runnable = _runnable(backends, info, say)
+    rows = []
+    for i, workload in enumerate(workloads):
+        say(f"[{i + 1}/{len(workloads)}] {workload.name}")
+        _check_plain(workload)
+        engine = make_problem(workload.spec.replace(layout="nhd", kv_in_cache=True), device)
+        expected = reference_output(engine)
+        columns = (our_columns(runnable, engine_forms(engine, layouts), info)
+                   + peer_columns(engine, fa4, with_reference, info))
+        for column in columns:
+            row = measure_column(workload, column, expected, device, reps, time_ms)
+            rows.append(row)
+            say(progress_line(row))
+        del engine, expected, columns
+        accelerator.empty_cache(device)
+    return rows
+
+
 def host_overhead(device: torch.device, backend: str, layout: str = "split", calls: int = 2000,
                   rounds: int = 7) -> dict:
     """Microseconds per call on a tiny batch, host-bound: the two drop-in signatures (the classic one, and the
@@ -208,16 +493,51 @@ def host_overhead(device: torch.device, backend: str, layout: str = "split", cal
     return result
 
 
-def format_table(rows: list[dict], field: str = "tflops", fmt: str = "{:.1f}") -> str:
-    """A Markdown table: one line per workload, one column per implementation that has ``field``."""
-    impls = list(dict.fromkeys(r["impl"] for r in rows if field in r))
+def format_table(rows: list[dict], field: str = "tflops", fmt: str = "{:.1f}", show_status: bool = False) -> str:
+    """A Markdown table: one line per workload, one column per implementation that has ``field``. With
+    ``show_status``, a row that was not timed (a ``status``: not run, failed, wrong output) shows its status
+    in its cell, and its implementation has a column even if no row of it has ``field``."""
+    shown = [r for r in rows if field in r or (show_status and "status" in r)]
+    impls = list(dict.fromkeys(r["impl"] for r in shown))
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     cell = {(r["workload"], r["impl"]): r for r in rows}
+
+    def text(row: dict) -> str:
+        if field in row:
+            return fmt.format(row[field])
+        return row["status"] if show_status and "status" in row else "-"
+
     head = "| workload | " + " | ".join(impls) + " |"
     lines = [head, "| --- |" + " ---: |" * len(impls)]
     for w in workloads:
-        vals = [fmt.format(cell[(w, i)][field]) if field in cell.get((w, i), {}) else "-" for i in impls]
+        vals = [text(cell.get((w, i), {})) for i in impls]
         lines.append(f"| {w} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
+def format_ratios(rows: list[dict], over: str = "fa4") -> Optional[str]:
+    """A Markdown table of each engine column's TFLOP/s over ``over``'s, per workload (None when ``over``
+    timed no row)."""
+    peer = {r["workload"]: r["tflops"] for r in rows if r["impl"] == over and "tflops" in r}
+    if not peer:
+        return None
+    ratios = [{**r, "ratio": r["tflops"] / peer[r["workload"]], "impl": f"{r['impl']} / {over}"}
+              for r in rows if r.get("call") == "engine" and "tflops" in r and r["workload"] in peer]
+    return format_table(ratios, "ratio", "{:.2f}")
+
+
+def format_suite(workloads: list[Workload]) -> str:
+    """The workloads of a suite as a Markdown table, from their specs alone (nothing is allocated)."""
+    lines = ["| workload | sequences | new tokens | context | heads | head size | block | dtype | TFLOP | K/V MB "
+             "| memory-bound (GB/s too) |", "| --- |" + " ---: |" * 6 + " --- |" + " ---: |" * 2 + " --- |"]
+    for w in workloads:
+        s = w.spec
+        low, high = min(s.context_lens), max(s.context_lens)
+        ctx = f"{low}..{high}" if low != high else f"{low}"
+        dtype = str(s.dtype).removeprefix("torch.") + ("" if s.kv_cache_dtype == "auto" else f", {s.kv_cache_dtype}")
+        lines.append(f"| {w.name} | {len(s.query_lens)} | {sum(s.query_lens)} | {ctx} | {s.num_heads}/{s.num_kv_heads} "
+                     f"| {s.head_size} | {s.block_size} | {dtype} | {flops(s) / 1e12:.3f} | {kv_bytes(s) / 1e6:.0f} "
+                     f"| {'yes' if w.memory_bound else ''} |")
     return "\n".join(lines)
 
 
@@ -239,8 +559,27 @@ def format_overhead(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def chart_panels(rows: list[dict]) -> list[dict]:
+    """The chart's panels: TFLOP/s of the compute-bound workloads, then (when the suite has memory-bound ones)
+    GB/s of those. Each panel: ``ylabel``, ``workloads``, ``impls`` and ``values`` (impl -> one value per
+    workload, 0 where the row was not timed). The reference is left out (it would flatten the bars)."""
+    timed = [r for r in rows if r["impl"] != "reference"]
+    panels = []
+    for ylabel, key, memory_bound in (("TFLOP/s", "tflops", False), ("GB/s of K/V read", "gbps", True)):
+        part = [r for r in timed if bool(r.get("memory_bound")) == memory_bound]
+        workloads = list(dict.fromkeys(r["workload"] for r in part))
+        impls = list(dict.fromkeys(r["impl"] for r in part if key in r))
+        if not workloads or not impls:
+            continue
+        cell = {(r["workload"], r["impl"]): r[key] for r in part if key in r}
+        values = {i: [cell.get((w, i), 0.0) for w in workloads] for i in impls}
+        panels.append({"ylabel": ylabel, "workloads": workloads, "impls": impls, "values": values})
+    return panels
+
+
 def plot(rows: list[dict], path: str, title: str) -> Optional[str]:
-    """A grouped bar chart of TFLOP/s per workload and implementation (None if matplotlib is missing)."""
+    """A grouped bar chart per :func:`chart_panels` panel (None if matplotlib is missing or nothing was
+    timed)."""
     try:
         import matplotlib
 
@@ -248,28 +587,75 @@ def plot(rows: list[dict], path: str, title: str) -> Optional[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    impls = list(dict.fromkeys(r["impl"] for r in rows if r["impl"] != "reference"))
-    workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    cell = {(r["workload"], r["impl"]): r["tflops"] for r in rows}
-    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(workloads)), 4.5))
-    width = 0.8 / max(1, len(impls))
-    for j, impl in enumerate(impls):
-        xs = [i + j * width for i in range(len(workloads))]
-        ax.bar(xs, [cell.get((w, impl), 0.0) for w in workloads], width, label=impl)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(workloads))])
-    ax.set_xticklabels(workloads, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("TFLOP/s")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
+    panels = chart_panels(rows)
+    if not panels:
+        return None
+    widest = max(len(p["workloads"]) for p in panels)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 1.3 * widest), 4.5 * len(panels)), squeeze=False)
+    for ax, panel in zip(axes[:, 0], panels):
+        workloads, impls = panel["workloads"], panel["impls"]
+        width = 0.8 / len(impls)
+        for j, impl in enumerate(impls):
+            ax.bar([i + j * width for i in range(len(workloads))], panel["values"][impl], width, label=impl)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(workloads))])
+        ax.set_xticklabels(workloads, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(panel["ylabel"])
+        ax.legend(fontsize=8)
+    axes[0, 0].set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
     return path
+
+
+def selected_suite(args) -> list[Workload]:
+    """The workloads of ``--suite``, narrowed by ``--only``; an ``--only`` that matches none is an error."""
+    suite = SUITES[args.suite]()
+    if args.only:
+        suite = [w for w in suite if any(s.lower() in w.name.lower() for s in args.only)]
+        if not suite:
+            raise ValueError(f"argument --only: no workload of the {args.suite} suite has a name containing "
+                             f"{' or '.join(map(repr, args.only))} ('pagedprefill bench --suite {args.suite} --list' "
+                             f"shows them)")
+    return suite
+
+
+def print_tables(rows: list[dict], engine: bool) -> None:
+    """The run's tables on standard output: TFLOP/s; for the engine suite also GB/s of the memory-bound rows,
+    the engine's call over FA4, each column's error against the reference and what was not timed and why;
+    then the kernels and first calls."""
+    print("\nTFLOP/s (median):\n")
+    print(format_table(rows, show_status=engine))
+    if engine:
+        memory = [r for r in rows if r.get("memory_bound")]
+        if memory:
+            print("\nGB/s of the K/V bytes each call must read (memory-bound rows, median):\n")
+            print(format_table(memory, "gbps", "{:.0f}", show_status=True))
+        ratios = format_ratios(rows)
+        if ratios:
+            print("\nThe engine's call over FA4 on the paged cache (TFLOP/s ratio; above 1 is faster):\n")
+            print(ratios)
+        print("\nLargest absolute error against the float32 reference (every column checked before it is "
+              "timed):\n")
+        print(format_table(rows, "max_abs_err", "{:.1e}", show_status=True))
+        untimed = [r for r in rows if "status" in r]
+        if untimed:
+            print("\nNot timed:\n")
+            print("\n".join(f"- {r['workload']}, {r['impl']}: {r['status']}: {r['reason']}" for r in untimed))
+    print("\nKernel that ran each of our rows:\n")
+    print(format_table(rows, "kernel", "{}"))
+    print("\nFirst call per workload (s, includes compiling unless cached):\n")
+    print(format_table(rows, "first_call_s", "{:.1f}"))
 
 
 def cmd_bench(args) -> int:
     from ..api import select_backend
     from ..device import DeviceInfo, current_accelerator_type
 
+    suite = selected_suite(args)
+    if args.list:  # the specs alone: nothing is allocated, no device needed
+        print(format_suite(suite))
+        return 0
     accel = current_accelerator_type()
     if accel is None:
         print("pagedprefill bench: needs an accelerator (timings use its device events); none is visible",
@@ -278,14 +664,19 @@ def cmd_bench(args) -> int:
     device = torch.device(args.device or accel)
     info = DeviceInfo.detect(device)
     backends = args.backend or [select_backend(info).name]
-    suite = SUITES[args.suite]()
-    if args.only:
-        suite = [w for w in suite if any(s.lower() in w.name.lower() for s in args.only)]
     start = time.time()
     layouts = ("split", "nhd") if args.layout == "both" else (args.layout,)
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    rows = run_suite(backends, suite, device, reps=args.reps, with_reference=not args.no_reference,
-                     progress=say, layouts=layouts)
+    engine = args.suite == "engine"
+    peers = {}
+    if engine:
+        module, peers["fa4"] = fa4_peer.load()
+        say(peers["fa4"])
+        rows = run_engine_suite(backends, suite, device, reps=args.reps, with_reference=not args.no_reference,
+                                progress=say, layouts=layouts, fa4=module)
+    else:
+        rows = run_suite(backends, suite, device, reps=args.reps, with_reference=not args.no_reference,
+                         progress=say, layouts=layouts)
     overhead = []
     if not args.no_host_overhead:
         for name in backends:
@@ -295,13 +686,12 @@ def cmd_bench(args) -> int:
     meta = {"device": info.describe(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
             "suite": args.suite, "backends": backends, "layouts": list(layouts), "commit": args.commit,
             "seconds": round(time.time() - start, 1)}
+    if peers:
+        meta["peers"] = peers
     print(f"\n{meta['device']}, torch {meta['torch']}, {meta['date']}, commit {args.commit or '?'}")
-    print("\nTFLOP/s (median):\n")
-    print(format_table(rows))
-    print("\nKernel that ran each of our rows:\n")
-    print(format_table(rows, "kernel", "{}"))
-    print("\nFirst call per workload (s, includes compiling unless cached):\n")
-    print(format_table(rows, "first_call_s", "{:.1f}"))
+    for line in peers.values():
+        print(line)
+    print_tables(rows, engine)
     if overhead:
         print("\nHost overhead, tiny batch, us per call (no synchronisation; median of 7 rounds of 285 calls, "
               "alternating, with the fastest and slowest round):\n")
@@ -319,9 +709,13 @@ def register(sub) -> None:
     p.add_argument("--backend", action="append", help="backend to time (repeatable; default: the selected one)")
     p.add_argument("--device", type=data_device, default=None, help="CUDA device to time on (default: the current)")
     p.add_argument("--suite", choices=sorted(SUITES), default="default",
-                   help="workloads to time: the performance table's (default) or context scaling, 2 x 1024 new "
-                        "tokens on 8k, 32k and 128k cached (context)")
+                   help="workloads to time: the performance table's (default); context scaling, 2 x 1024 new "
+                        "tokens on 8k, 32k and 128k cached (context); or a serving engine's batches, each timed "
+                        "as the engine calls it (k = v = None, every key and value in the NHD cache) and the "
+                        "classic way, with FlashAttention-4 beside them when flash_attn.cute imports (engine)")
     p.add_argument("--only", action="append", help="run workloads whose name contains this (repeatable)")
+    p.add_argument("--list", action="store_true",
+                   help="list the suite's workloads (shapes, TFLOP, K/V bytes) and exit; needs no device")
     p.add_argument("--reps", type=positive_int, default=200, help="do_bench repetition budget in ms (default 200)")
     p.add_argument("--layout", choices=["split", "nhd", "both"], default="both",
                    help="cache layout(s) the backends read (default: %(default)s)")
