@@ -329,8 +329,8 @@ def bind_hopper(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
         return None
     positions = range(DESCRIPTORS.start, DESCRIPTORS.stop)
     # Triton's launcher would encode the five descriptors again on every launch: encode them per address.
-    _, bound = bind(hopper_prefill_kernel, call, problem.q.device,
-                    lambda compiled: EncodedLauncher.of(compiled, positions))
+    bound = bind(hopper_prefill_kernel, call, problem.q.device,
+                 lambda compiled: EncodedLauncher.of(compiled, positions))
     if bound is None:
         return None
     encoded = bound.launcher if isinstance(bound.launcher, EncodedLauncher) else None

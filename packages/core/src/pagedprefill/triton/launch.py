@@ -312,16 +312,16 @@ class BoundLaunch:
 
 
 def bind(kernel: Any, call: KernelCall, device: torch.device,
-         launcher: Optional[Callable[[Any], Optional[Callable[..., None]]]] = None) -> tuple[Any, Optional[BoundLaunch]]:
+         launcher: Optional[Callable[[Any], Optional[Callable[..., None]]]] = None) -> Optional[BoundLaunch]:
     """Launch ``call`` of ``kernel`` through Triton's JIT and bind the compiled kernel for later calls with the
-    same signature: ``(compiled, bound)``, ``bound`` None where no GPU driver launches directly (the interpreter
-    and other drivers keep the JIT path). ``launcher(compiled)``, when given, returns a stand-in for Triton's
-    launcher of ``compiled`` (or None to keep Triton's)."""
+    same signature; None where no GPU driver launches directly (the interpreter and other drivers keep the JIT
+    path). ``launcher(compiled)``, when given, returns a stand-in for Triton's launcher of ``compiled`` (or None
+    to keep Triton's)."""
     compiled = jit_launch(kernel, call, device)
     if device.type != "cuda" or not hasattr(compiled, "packed_metadata"):
-        return compiled, None
+        return None
     run = launcher(compiled) if launcher is not None else None
-    return compiled, BoundLaunch(compiled, call, device, kernel=kernel, run=run)
+    return BoundLaunch(compiled, call, device, kernel=kernel, run=run)
 
 
 def bind_launch(problem: PrefillProblem, config: TileConfig, shape: Optional[ProblemShape] = None
@@ -331,4 +331,4 @@ def bind_launch(problem: PrefillProblem, config: TileConfig, shape: Optional[Pro
     call = kernel_call(problem, config, shape)
     if call is None:
         return None
-    return bind(prefix_prefill_kernel, call, problem.q.device)[1]
+    return bind(prefix_prefill_kernel, call, problem.q.device)
