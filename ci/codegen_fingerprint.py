@@ -134,10 +134,19 @@ def normalised(instructions: dict) -> Counter:
     return out
 
 
+def _tile(row: dict) -> dict:
+    """A row's tile, without the fields a file written before they existed lacks, where they hold their default
+    (``key_splits``: 1)."""
+    tile = dict(row.get("tile") or {})
+    if tile.get("key_splits") == 1:
+        del tile["key_splits"]
+    return tile
+
+
 def difference(before: dict, after: dict, exact: bool = False) -> str:
     """What changed between two routes' rows, in one line ('' when nothing did): the :func:`normalised`
     multisets, or with ``exact`` every instruction."""
-    if before.get("tile") != after.get("tile") or before.get("kernel") != after.get("kernel"):
+    if _tile(before) != _tile(after) or before.get("kernel") != after.get("kernel"):
         return (f"tile or kernel {before.get('kernel')} {before.get('tile')} -> "
                 f"{after.get('kernel')} {after.get('tile')}")
     a, b = Counter(before.get("instructions", {})), Counter(after.get("instructions", {}))

@@ -65,7 +65,7 @@ def packed_heads(shape: ProblemShape, block_m: int) -> int:
 
 def _num_programs(shape: ProblemShape, block_m: int, heads: int) -> int:
     config = settle(TileConfig(block_m=block_m, heads_per_tile=min(heads, block_m)), shape)
-    tiles, heads_dim = launch_grid(shape, config)
+    tiles, heads_dim, _ = launch_grid(shape, config)
     return tiles * heads_dim
 
 

@@ -111,6 +111,9 @@ class TileConfig:
         kernel: which kernel runs the tile: ``"portable"`` is core's Triton kernel, which every Triton
             backend runs; a backend may name a kernel of its own (sm80's ``"hopper"``), and falls back to the
             portable kernel, with the same tile, for a call its own kernel cannot take.
+        key_splits: programs that share each query tile's keys (flash-decoding): each attends to one of
+            ``key_splits`` consecutive runs of the tile's key tiles and writes its rows' partial output and
+            log-sum-exp, and a second launch combines them (:func:`key_splits_for`). 1 = no split.
     """
 
     block_m: int = 64
@@ -122,6 +125,7 @@ class TileConfig:
     pagewise: bool = True
     fp32_dot: str = "ieee"
     kernel: str = "portable"
+    key_splits: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "num_warps"):
@@ -135,6 +139,8 @@ class TileConfig:
             raise ValueError(f"TileConfig.num_stages: expected >= 1, got {self.num_stages}")
         if self.fp32_dot not in ("ieee", "tf32"):
             raise ValueError(f"TileConfig.fp32_dot: expected 'ieee' or 'tf32', got {self.fp32_dot!r}")
+        if not 1 <= self.key_splits <= MAX_KEY_SPLITS:
+            raise ValueError(f"TileConfig.key_splits: expected 1..{MAX_KEY_SPLITS}, got {self.key_splits}")
         if not 1 <= self.heads_per_tile <= self.block_m:
             raise ValueError(f"TileConfig.heads_per_tile: expected 1..block_m={self.block_m}, "
                              f"got {self.heads_per_tile}")
@@ -164,7 +170,7 @@ class TileConfig:
         return {"block_m": self.block_m, "block_n": self.block_n, "num_warps": self.num_warps,
                 "num_stages": self.num_stages, "heads_per_tile": self.heads_per_tile,
                 "split_masks": self.split_masks, "pagewise": self.pagewise, "fp32_dot": self.fp32_dot,
-                "kernel": self.kernel}
+                "kernel": self.kernel, "key_splits": self.key_splits}
 
 
 @runtime_checkable
@@ -190,15 +196,65 @@ def settle(config: TileConfig, shape: ProblemShape) -> TileConfig:
     return config
 
 
-def launch_grid(shape: ProblemShape, config: TileConfig) -> tuple[int, int]:
-    """Programs of one launch: ``(tiles of new tokens, KV heads x chunks of their query heads)``.
+def launch_grid(shape: ProblemShape, config: TileConfig) -> tuple[int, int, int]:
+    """Programs of one launch: ``(tiles of new tokens, KV heads x chunks of their query heads, key splits)``.
 
     Sequence ``s`` owns ``ceil(q_len / tokens_per_tile)`` tiles or one more; ``num_tokens // tokens_per_tile
     + num_seqs`` covers any batch without reading lengths on the host (surplus programs exit at once).
     ``config`` is :func:`settle`d for the shape (at most ``group_size`` packed heads).
     """
     chunks = -(-shape.group_size // config.heads_per_tile)
-    return shape.num_tokens // config.tokens_per_tile + shape.num_seqs, shape.num_kv_heads * chunks
+    return shape.num_tokens // config.tokens_per_tile + shape.num_seqs, shape.num_kv_heads * chunks, config.key_splits
+
+
+#: Most programs that may share one query tile's keys (:attr:`TileConfig.key_splits`).
+MAX_KEY_SPLITS = 32
+#: The share of the multiprocessors a split launch keeps busy in every wave, at least, where a split count
+#: allows it: its programs do about the same work (each split takes the same number of key tiles), so a last
+#: wave that is partly empty leaves the rest of the device idle for a whole program's time.
+SPLIT_WAVE_EFFICIENCY = 0.9
+#: The most waves of programs a split launch makes (a bound on its partial rows, and on the work each split
+#: repeats: its query tile's load and its partial row).
+MAX_SPLIT_WAVES = 4
+
+
+def split_scratch_bytes(shape: ProblemShape, key_splits: int) -> int:
+    """Bytes of the partial rows a launch with ``key_splits`` splits writes: a float32 row of the padded head
+    size and one log-sum-exp per (split, token, query head)."""
+    return 4 * key_splits * shape.num_tokens * shape.num_heads * (shape.head_size_padded + 1)
+
+
+def wave_efficiency(programs: int, sms: int) -> float:
+    """The share of ``sms`` multiprocessors that ``programs`` programs of equal work keep busy over their waves."""
+    return programs / (-(-programs // sms) * sms)
+
+
+def key_splits_for(shape: ProblemShape, config: TileConfig, device: DeviceInfo) -> int:
+    """How many programs should share each query tile's keys for calls of ``shape`` on ``config``'s tile.
+
+    A launch with fewer programs than the device has multiprocessors (decode rows and few sequences: 4
+    sequences x 8 KV heads are 32 programs for 132 multiprocessors) splits every tile's keys: the fewest splits
+    whose programs fill their waves to :data:`SPLIT_WAVE_EFFICIENCY` (4 x 32 = 128 programs, one wave of 97%,
+    rather than 9 x 32 = 288, two full waves and one of 18%), else the split count that fills them best. Decided
+    from the shape alone (no lengths read, so no host synchronisation, and a fixed grid and scratch size:
+    CUDA-graph safe); a sequence whose keys are fewer than the splits leaves the surplus programs empty, which
+    write an empty partial row. At most :data:`MAX_KEY_SPLITS` splits and :data:`MAX_SPLIT_WAVES` waves, so the
+    partial rows (:func:`split_scratch_bytes`) hold at most ``MAX_SPLIT_WAVES x SMs x block_m`` rows (69 MB at
+    head size 256 on an H200, 35 MB at 128).
+    """
+    tiles, heads, _ = launch_grid(shape, config.with_(key_splits=1))
+    programs = tiles * heads
+    sms = max(1, device.num_sms or 0)
+    if programs >= sms:
+        return 1
+    best = 1
+    for splits in range(1, min(MAX_KEY_SPLITS, MAX_SPLIT_WAVES * sms // programs) + 1):
+        efficiency = wave_efficiency(splits * programs, sms)
+        if efficiency >= SPLIT_WAVE_EFFICIENCY:
+            return splits
+        if efficiency > wave_efficiency(best * programs, sms):
+            best = splits
+    return best
 
 
 def shrink_to_fit(config: TileConfig, shape: ProblemShape, device: DeviceInfo,

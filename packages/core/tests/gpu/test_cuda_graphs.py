@@ -1,5 +1,6 @@
 """CUDA graphs: one launch captured with fixed-capacity tensors replays correctly for any lengths written into the
-same metadata tensors; capturing it allocates nothing and does not synchronise with the host.
+same metadata tensors; capturing it allocates nothing (but, where the policy splits the keys, the partial rows
+the shapes size, freed when the call returns) and does not synchronise with the host.
 
 Capacity: ``T_CAP`` token rows, ``B_CAP`` sequences, a block table ``WIDTH`` columns wide. Each replay writes new
 lengths (inside the capacity: unused sequences get no tokens, unused rows sit at the end), a new block table and
@@ -102,6 +103,20 @@ class Captured:
         return pp.reference_prefill(problem)
 
 
+def scratch_bytes(c: Captured, gpu_backend) -> int:
+    """The most a call of ``c`` may allocate: its partial rows when the policy splits its keys, else nothing."""
+    from pagedprefill.backends.triton_base import TritonBackend, problem_shape
+    from pagedprefill.device import DeviceInfo
+    from pagedprefill.tiling import split_scratch_bytes
+
+    if not isinstance(gpu_backend, TritonBackend):
+        return 0
+    shape = problem_shape(pp.PrefillProblem(c.q, c.k, c.v, c.out, c.cache, c.batch,
+                                            pp.AttentionOptions(**c.options)))
+    splits = gpu_backend.tile_config(shape, DeviceInfo.detect(c.device)).key_splits
+    return 0 if splits == 1 else split_scratch_bytes(shape, splits) + 2 * 512  # two tensors, 512-byte blocks
+
+
 def warm_up(c: Captured) -> None:
     """Compile and run once outside the capture, on a side stream (as torch.cuda.graph requires)."""
     stream = torch.cuda.Stream(c.device)
@@ -127,7 +142,9 @@ def test_captured_launch_replays_any_lengths_within_capacity(config, gpu, gpu_ba
             after = torch.cuda.memory_allocated(gpu)
             peak = torch.cuda.max_memory_allocated(gpu)
         assert result is c.out
-        assert after == before and peak == before, f"capture allocated {after - before} bytes (peak +{peak - before})"
+        allowed = scratch_bytes(c, gpu_backend)
+        assert after == before and peak - before <= allowed, \
+            f"capture allocated {after - before} bytes (peak +{peak - before}, {allowed} allowed for split keys)"
         atol, rtol = DEFAULT_TOLERANCES[c.q.dtype]
         for query_lens, context_lens in LENGTHS:
             tokens = c.write(query_lens, context_lens)
@@ -145,7 +162,8 @@ def test_captured_launch_replays_any_lengths_within_capacity(config, gpu, gpu_ba
 
 
 def test_eager_call_allocates_nothing_and_never_synchronises(gpu, gpu_backend):
-    """With ``out`` given and ``validate="basic"`` a call allocates no memory and makes no synchronising CUDA call
+    """With ``out`` given and ``validate="basic"`` a call allocates no memory (but a split launch's partial rows) and
+    makes no synchronising CUDA call
     (torch's sync debug mode raises on one); ``validate="full"`` reads the metadata, which does synchronise."""
     with torch.cuda.device(gpu):
         c = Captured(gpu, **CONFIGS["fp16_fp8_tensor_scales"], seed=1)
@@ -163,6 +181,7 @@ def test_eager_call_allocates_nothing_and_never_synchronises(gpu, gpu_backend):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert result is c.out
-        assert peak == before, f"an eager call allocated {peak - before} bytes"
+        allowed = scratch_bytes(c, gpu_backend)
+        assert peak - before <= allowed, f"an eager call allocated {peak - before} bytes ({allowed} allowed)"
         atol, rtol = DEFAULT_TOLERANCES[c.q.dtype]
         torch.testing.assert_close(c.out[:tokens].float(), c.reference(tokens).float(), atol=atol, rtol=rtol)

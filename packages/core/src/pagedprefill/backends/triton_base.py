@@ -123,11 +123,13 @@ class TritonBackend(Backend):
         from ..triton.launch import bind_launch, call_tensors
 
         shape = problem_shape(problem)
-        bound = bind_launch(problem, self.portable_tile(shape, device), shape)
+        config = self.portable_tile(shape, device)
+        bound = bind_launch(problem, config, shape)
         if bound is None:  # nothing to launch, or a driver without direct launches: already run by the JIT
             return self.run_again(device)
+        splits = config.key_splits
 
         def launch(later: PrefillProblem) -> bool:
-            return bound(call_tensors(later))
+            return bound(call_tensors(later, splits))
 
         return launch

@@ -133,6 +133,31 @@ def multi_tile_spec(name: str, seed: int = 0) -> BatchSpec:
     return BASE.replace(seed=seed, **{**MULTI_TILE_LENGTHS, **MULTI_TILE_CASES[name]})
 
 
+#: Lengths of the split-key cases: contexts of several key tiles at any policy's tile, a decode row, a sequence
+#: without new tokens and one without context, so that splits get uneven shares, the cached and new parts
+#: meet inside a split, and the last splits of the short sequences get no key at all.
+SPLIT_KEY_LENGTHS = {"query_lens": (37, 1, 20, 0, 50, 4), "context_lens": (300, 530, 0, 45, 3, 260)}
+#: Splits the split-key cases run with: an even one, and one that leaves splits empty.
+SPLIT_KEY_COUNTS = (2, 5)
+#: name -> changes to BASE with :data:`SPLIT_KEY_LENGTHS`: each tile's keys shared by several programs
+#: (``TileConfig.key_splits``) and merged by the combine, with the options that the combine or the split walk
+#: handle (sinks, the FP8 value and output scales, skipped decode rows, the walk over new tokens in the cache).
+SPLIT_KEY_CASES: dict[str, dict] = {
+    "causal": {},
+    "kv_in_cache": {"kv_in_cache": True},
+    "split_fp8_sinks": {"layout": "split", "kv_cache_dtype": "fp8_e4m3", "sinks": True},
+    "window_33_alibi": {"sliding_window": 33, "alibi": True},
+    "skip_decode_fp8_out": {"skip_decode": True, "fp8_out_scale": 0.03},
+    "non_causal_softcap": {"causal": False, "softcap": 6.0},
+    "kv_in_cache_fp8_e5m2": {"kv_in_cache": True, "kv_cache_dtype": "fp8_e5m2"},
+}
+
+
+def split_key_spec(name: str, seed: int = 0) -> BatchSpec:
+    """The :class:`BatchSpec` of a split-key case."""
+    return BASE.replace(seed=seed, **{**SPLIT_KEY_LENGTHS, **SPLIT_KEY_CASES[name]})
+
+
 LARGE_LENGTHS = {"query_lens": (300, 1, 1000, 0, 77, 1), "context_lens": (2000, 3000, 0, 64, 513, 1)}
 
 

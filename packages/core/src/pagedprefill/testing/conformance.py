@@ -44,10 +44,13 @@ from .cases import (
     MULTI_TILE_CASES,
     RANDOM_KV_CACHE_DTYPES,
     SMALL_TILE,
+    SPLIT_KEY_CASES,
+    SPLIT_KEY_COUNTS,
     assert_matches_reference,
     case_spec,
     multi_tile_spec,
     random_spec,
+    split_key_spec,
 )
 from .memory_safety import LARGE, SPECS, check_corrupt_metadata
 
@@ -179,6 +182,24 @@ class ConformanceSuite:
             if reason:
                 pytest.skip(reason)
             self._check(spec, pagedprefill_device, f"{self.backend}/multi_tile/{case}/seed={seed}")
+
+    @pytest.mark.parametrize("splits", SPLIT_KEY_COUNTS)
+    @pytest.mark.parametrize("case", sorted(SPLIT_KEY_CASES))
+    def test_split_keys_case_matches_reference(self, case, splits, pagedprefill_device, monkeypatch):
+        """Each query tile's keys shared by ``splits`` programs (``TileConfig.key_splits``, on the policy's own
+        tile, whichever kernel it names) and merged by the combine launch: the same rows as one program per
+        tile, through the first run and the plan's."""
+        backend = get_registry().get(self.backend)
+        if not isinstance(backend, TritonBackend):
+            pytest.skip(f"backend {self.backend!r} has no tiles to split; its conformance cases cover it")
+        policy_tile = backend.tile_config
+        monkeypatch.setattr(backend, "tile_config",
+                            lambda shape, device: policy_tile(shape, device).with_(key_splits=splits))
+        spec = split_key_spec(case, seed=0)
+        reason = self._skip_reason(spec, pagedprefill_device)
+        if reason:
+            pytest.skip(reason)
+        self._check(spec, pagedprefill_device, f"{self.backend}/split_keys/{case}/x{splits}")
 
     @pytest.mark.parametrize("batch", [*sorted(SPECS), "large"])
     def test_corrupt_metadata_stays_in_bounds(self, batch, pagedprefill_device):

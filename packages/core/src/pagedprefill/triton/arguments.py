@@ -11,7 +11,7 @@ launcher flattens them. There the tensor groups come as plain tuples of the same
 Three kinds of groups, in the kernel's signature order:
 
 * tensors, which change from call to call (:func:`~pagedprefill.triton.launch.call_tensors`): :class:`Tokens`,
-  :class:`Cache`, :class:`Batch`, :class:`PerHead`, :class:`ScaleTensors`;
+  :class:`Cache`, :class:`Batch`, :class:`PerHead`, :class:`ScaleTensors`, :class:`Partials`;
 * numbers, fixed by the call signature: :class:`Scales`, the softcap and the window, :class:`Extents`,
   :class:`TokenStrides`, :class:`CacheStrides`;
 * compile-time constants: the head size, :class:`Tile`, :class:`CacheLayout`, :class:`Features`,
@@ -66,6 +66,16 @@ class ScaleTensors(NamedTuple):
     k: Any
     v: Any
     out: Any
+
+
+class Partials(NamedTuple):
+    """Where a launch with split keys writes each split's rows (placeholders without a split): ``out``
+    ``[splits, T, H, padded D]`` float32, each row normalised by its own split's sum, and ``lse``
+    ``[splits, T, H]`` float32, the split's log2-domain log-sum-exp (``-inf`` for a split without keys).
+    :mod:`.combine` merges them into the output."""
+
+    out: Any
+    lse: Any
 
 
 class Scales(NamedTuple):
@@ -149,7 +159,8 @@ class Tile(NamedTuple):
     """How the policy tiled the launch (:class:`~pagedprefill.tiling.TileConfig`), as the kernel needs it.
 
     ``HEAD_CHUNKS`` is how many programs share one KV head's query heads (``ceil(group / HEADS_PER_TILE)``);
-    ``DOT_PRECISION`` is the ``input_precision`` of both dots for these inputs.
+    ``DOT_PRECISION`` is the ``input_precision`` of both dots for these inputs; ``KEY_SPLITS`` how many programs
+    share a query tile's keys (1: none, the program writes the output itself).
     """
 
     BLOCK_M: int
@@ -158,6 +169,7 @@ class Tile(NamedTuple):
     HEAD_CHUNKS: int
     SPLIT_MASKS: bool
     DOT_PRECISION: str
+    KEY_SPLITS: int = 1
 
 
 class CacheLayout(NamedTuple):

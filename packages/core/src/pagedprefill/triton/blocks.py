@@ -395,3 +395,37 @@ def split_range(start, end, full_lo, full_hi, BLOCK_N: tl.constexpr):
     hi = start + ((top - start) // BLOCK_N) * BLOCK_N
     lo = start + tl.cdiv(tl.minimum(tl.maximum(full_lo, start) - start, hi - start), BLOCK_N) * BLOCK_N
     return lo, hi
+
+
+@triton.jit
+def split_tiles(cache_tiles, new_tiles, split, KEY_SPLITS: tl.constexpr):
+    """The key tiles that split ``split`` of ``KEY_SPLITS`` visits, of a walk of ``cache_tiles`` cached tiles
+    followed by ``new_tiles`` tiles of new tokens (both >= 0): the same number (rounded up) for each split, in
+    walk order, so that the last splits of a short walk get none. Returns ``(cache_first, cache_count,
+    new_first, new_count)``: the first tile and how many, in each of the two parts."""
+    total = cache_tiles + new_tiles
+    per = tl.cdiv(total, KEY_SPLITS)
+    first = tl.minimum(split * per, total)
+    last = tl.minimum(first + per, total)
+    cache_first = tl.minimum(first, cache_tiles)
+    cache_count = tl.minimum(last, cache_tiles) - cache_first
+    new_first = tl.maximum(first - cache_tiles, 0)
+    new_count = tl.maximum(last - cache_tiles, 0) - new_first
+    return cache_first, cache_count, new_first, new_count
+
+
+@triton.jit
+def partial_rows(acc, m_i, l_i):
+    """One split's rows for :class:`~.arguments.Partials`: the accumulator normalised by the split's own sum,
+    and the split's log2-domain log-sum-exp (``-inf`` where it saw no key; its row is then zeros)."""
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    return acc * tl.where(seen, 1.0 / l_safe, 0.0)[:, None], tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
+
+
+@triton.jit
+def partial_index(split, q_rows, head, num_tokens, num_heads):
+    """Where row ``(split, q_rows, head)`` is in :class:`~.arguments.Partials`: the ``lse`` element (times the
+    padded head size: the first element of its ``out`` row), in 64 bits."""
+    rows = q_rows.to(tl.int64)
+    return ((rows * 0 + split) * num_tokens + rows) * num_heads + head.to(tl.int64)  # split: a number or a scalar

@@ -27,9 +27,12 @@ from .blocks import (
     logits,
     new_kv_offsets,
     online_softmax_step,
+    partial_index,
+    partial_rows,
     round_to_fp8_e4m3,
     scalar_or_load,
     split_range,
+    split_tiles,
     tile_pages,
     tile_rows,
     tile_sequence,
@@ -118,8 +121,35 @@ def _new_phase(state, query, scoring, new_kv, kv_head, offs_d, d_mask, start, en
 
 
 @triton.jit
+def new_token_keys(lo, ctx_len, q_len, tok0, tok_last, seq_row0, num_tokens, BLOCK_N: tl.constexpr,
+                   CAUSAL: tl.constexpr, NEW_KV_IN_CACHE: tl.constexpr):
+    """The new tokens' keys a tile visits, indexed from 0 within the sequence: ``(start, end, full_to,
+    in_bounds_len)``, from the tile that holds key ``lo`` causally up to the tile's last token ``tok_last``, or
+    all of them; none when their K/V are read from the cache. Keys below ``full_to`` need no causal mask.
+
+    Whatever the metadata says, the keys read lie inside k/v: the rows from the sequence's first one to the
+    tensors' end (none for a negative start), and the sequence's own count at most (``in_bounds_len``). Every
+    loop over them starts at 0 or later and ends there, so each key index is in ``[0, in_bounds_len + BLOCK_N)``
+    (no int32 overflow: q would not fit in memory first) and one compare per key masks the rest.
+    """
+    start = (tl.maximum(lo - ctx_len, 0) // BLOCK_N) * BLOCK_N
+    in_tensors = tl.where(seq_row0 >= 0, num_tokens - seq_row0, 0)
+    in_bounds_len = tl.maximum(tl.minimum(q_len, in_tensors), 0)
+    if NEW_KV_IN_CACHE:
+        end = start
+        full_to = start
+    elif CAUSAL:
+        end = tl.minimum(tl.maximum(tok_last + 1, 0), in_bounds_len)
+        full_to = tl.minimum(tok0 + 1, in_tensors)
+    else:
+        end = in_bounds_len
+        full_to = tl.minimum(q_len, in_tensors)
+    return start, end, full_to, in_bounds_len
+
+
+@triton.jit
 def prefix_prefill_kernel(
-    tokens, cache, batch, per_head, scale_tensors,
+    tokens, cache, batch, per_head, scale_tensors, partials,
     scales, softcap, window, extents, token_strides, cache_strides,
     HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr, TILE: tl.constexpr, LAYOUT: tl.constexpr,
     FEATURES: tl.constexpr, SCALE_FROM_TENSOR: tl.constexpr,
@@ -196,6 +226,18 @@ def prefix_prefill_kernel(
     c_start = (lo // BLOCK_N) * BLOCK_N
     # A table without columns or a cache without blocks holds nothing to read, whatever ctx_len claims.
     c_end = tl.where((table_width > 0) & (num_blocks > 0), c_end, 0)
+    KEY_SPLITS: tl.constexpr = TILE.KEY_SPLITS
+    if KEY_SPLITS > 1:
+        # This program's share of the walk (cached tiles, then new ones); its rows become partial rows.
+        n_start, n_end, new_full_to, in_bounds_len = new_token_keys(lo, ctx_len, q_len, tok0, tok_last, seq_row0,
+                                                                    num_tokens, BLOCK_N, CAUSAL, NEW_KV_IN_CACHE)
+        cache_first, cache_count, new_first, new_count = split_tiles(
+            tl.cdiv(tl.maximum(c_end - c_start, 0), BLOCK_N), tl.cdiv(tl.maximum(n_end - n_start, 0), BLOCK_N),
+            tl.program_id(2), KEY_SPLITS)
+        c_start = c_start + cache_first * BLOCK_N
+        c_end = tl.minimum(c_start + cache_count * BLOCK_N, c_end)
+        n_start = n_start + new_first * BLOCK_N
+        n_end = tl.minimum(n_start + new_count * BLOCK_N, n_end)
     if TILE.SPLIT_MASKS:
         free_start, free_end = split_range(c_start, c_end, full_from, full_to, BLOCK_N)
     else:
@@ -212,22 +254,11 @@ def prefix_prefill_kernel(
     state = (acc * v_scale, m_i, l_i)
 
     if not NEW_KV_IN_CACHE:
-        # New tokens, indexed from 0 within the sequence: causally up to the tile's last token, or all.
-        n_start = (tl.maximum(lo - ctx_len, 0) // BLOCK_N) * BLOCK_N
-        # Whatever the metadata says, the keys read lie inside k/v: the rows from the sequence's first one to
-        # the tensors' end (none for a negative start), and the sequence's own count at most. Every loop below
-        # starts at 0 or later and ends there, so each key index is in [0, in_bounds_len + BLOCK_N) (no int32
-        # overflow: q would not fit in memory first) and one compare per key masks the rest.
-        in_tensors = tl.where(seq_row0 >= 0, num_tokens - seq_row0, 0)
-        in_bounds_len = tl.maximum(tl.minimum(q_len, in_tensors), 0)
-        if CAUSAL:
-            n_end = tl.minimum(tl.maximum(tok_last + 1, 0), in_bounds_len)
-            full_to = tl.minimum(tok0 + 1, in_tensors)
-        else:
-            n_end = in_bounds_len
-            full_to = tl.minimum(q_len, in_tensors)
+        if KEY_SPLITS == 1:  # (found here, not before the cached phase: fewer values live across its loop)
+            n_start, n_end, new_full_to, in_bounds_len = new_token_keys(lo, ctx_len, q_len, tok0, tok_last, seq_row0,
+                                                                        num_tokens, BLOCK_N, CAUSAL, NEW_KV_IN_CACHE)
         if TILE.SPLIT_MASKS:
-            free_start, free_end = split_range(n_start, n_end, full_from - ctx_len, full_to, BLOCK_N)
+            free_start, free_end = split_range(n_start, n_end, full_from - ctx_len, new_full_to, BLOCK_N)
         else:
             free_start, free_end = n_start, n_start
         new_kv = NewKV(tokens.k, tokens.v, token_strides.k, token_strides.v, seq_row0, ctx_len, in_bounds_len)
@@ -240,6 +271,14 @@ def prefix_prefill_kernel(
                            True, EVEN_D, TILE, FEATURES)
 
     acc, m_i, l_i = state
+    if KEY_SPLITS > 1:
+        # The combine launch (:mod:`.combine`) adds the sinks, normalises across the splits and stores the output.
+        num_heads = (tl.num_programs(1) // TILE.HEAD_CHUNKS) * extents.group_size
+        part, lse = partial_rows(acc, m_i, l_i)
+        index = partial_index(tl.program_id(2), q_rows, head, num_tokens, num_heads)
+        tl.store(partials.lse + index, lse, mask=row_ok)
+        tl.store(partials.out + index[:, None] * HEAD_SIZE_PADDED + offs_d[None, :], part, mask=row_ok[:, None])
+        return
     SINKS: tl.constexpr = FEATURES.SINKS
     OUT_SCALE: tl.constexpr = FEATURES.OUT_SCALE
     OUT_SCALE_FROM_TENSOR: tl.constexpr = SCALE_FROM_TENSOR.OUT

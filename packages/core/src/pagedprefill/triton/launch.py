@@ -1,9 +1,11 @@
 """Host side of the Triton kernel: turn a validated problem and a TileConfig into one launch.
 
-No device-to-host synchronisation and no allocation: the grid comes from tensor shapes
-(``num_tokens // tokens_per_tile + num_seqs`` tiles, programs past their sequence's end exit at once),
-scales given as tensors are read on the device, and the launch happens on the tensors' device whatever the
-current device is.
+No device-to-host synchronisation: the grid comes from tensor shapes (``num_tokens // tokens_per_tile +
+num_seqs`` tiles, programs past their sequence's end exit at once), scales given as tensors are read on the
+device, and the launch happens on the tensors' device whatever the current device is. A tile with split keys
+(``TileConfig.key_splits`` > 1) allocates its partial rows (sized by the shapes alone, through PyTorch's
+caching allocator: CUDA-graph safe) and is followed by the combine launch (:mod:`.combine`); no other call
+allocates.
 
 Two ways to launch:
 
@@ -36,6 +38,7 @@ from .arguments import (
     Extents,
     Features,
     KeyStrides,
+    Partials,
     PerHead,
     RowStrides,
     ScaleFromTensor,
@@ -47,6 +50,7 @@ from .arguments import (
     TokenStrides,
     ValueStrides,
 )
+from .combine import combine_splits_kernel
 from .kernel import prefix_prefill_kernel
 
 #: Largest finite FP8 e4m3 value: a quantised output saturates there (the portable kernel reads it from
@@ -147,7 +151,7 @@ class KernelCall:
     positionally and ``constexprs`` plus ``options`` (warps, stages) by keyword.
     """
 
-    grid: tuple[int, int]
+    grid: tuple[int, int, int]
     tensors: tuple
     scalars: tuple
     constexprs: dict
@@ -162,10 +166,11 @@ class KernelCall:
         return {**self.constexprs, **self.options}
 
 
-def call_tensors(p: PrefillProblem) -> tuple:
+def call_tensors(p: PrefillProblem, key_splits: int = 1) -> tuple:
     """The kernel's tensor groups for ``p``, in signature order, as plain tuples (placeholders where a feature
     is off): :class:`.arguments.Tokens`, :class:`.arguments.Cache`, :class:`.arguments.Batch`,
-    :class:`.arguments.PerHead` and :class:`.arguments.ScaleTensors`, in their fields' order.
+    :class:`.arguments.PerHead`, :class:`.arguments.ScaleTensors` and :class:`.arguments.Partials` (allocated
+    here for a launch of ``key_splits`` > 1), in their fields' order.
 
     The one definition of that order: :func:`kernel_call` names the groups for Triton's JIT, and
     :class:`BoundLaunch` receives them as they are on every call (the driver's launcher flattens any tuple), so
@@ -180,7 +185,42 @@ def call_tensors(p: PrefillProblem) -> tuple:
     b = p.batch
     return ((q, k, v, p.out), (c.key, c.value, b.block_table), (b.query_start, b.seq_lens, b.context_lens),
             (q if o.alibi_slopes is None else o.alibi_slopes, q if o.sinks is None else o.sinks),
-            (k_scale, v_scale, out_scale if isinstance(out_scale, torch.Tensor) else q))
+            (k_scale, v_scale, out_scale if isinstance(out_scale, torch.Tensor) else q),
+            partial_rows(q, key_splits))
+
+
+def partial_rows(q: torch.Tensor, key_splits: int) -> tuple:
+    """The :class:`.arguments.Partials` of a launch with ``key_splits`` splits on queries ``q`` (``q`` itself
+    twice, unread, without a split)."""
+    if key_splits == 1:
+        return (q, q)
+    T, H, D = q.shape
+    return (torch.empty((key_splits, T, H, padded_head_size(D)), dtype=torch.float32, device=q.device),
+            torch.empty((key_splits, T, H), dtype=torch.float32, device=q.device))
+
+
+def combine_call(problem: PrefillProblem, config: TileConfig, tensors: tuple, grid: tuple) -> KernelCall:
+    """The combine launch (:mod:`.combine`) after a launch of ``config`` (``key_splits`` > 1) with ``grid`` whose
+    partial rows are in ``tensors`` (:func:`call_tensors`' groups): the same tiles, one program per tile."""
+    p = problem
+    T, H, D = p.q.shape
+    tokens, _, batch, per_head, scale_tensors, partials = tensors
+    scales, scale_from_tensor = scale_arguments(p)
+    tile = Tile(config.block_m, config.block_n, config.heads_per_tile,
+                triton.cdiv(H // p.num_kv_heads, config.heads_per_tile), config.split_masks, "ieee",
+                config.key_splits)
+    constexprs = dict(HEAD_SIZE=D, HEAD_SIZE_PADDED=padded_head_size(D), TILE=tile, FEATURES=call_features(p),
+                      OUT_SCALE_FROM_TENSOR=scale_from_tensor.OUT, OUT_MAX=FP8_E4M3_MAX)
+    return KernelCall((grid[0], grid[1], 1), (Tokens(*tokens), Batch(*batch), PerHead(*per_head),
+                                              ScaleTensors(*scale_tensors), Partials(*partials)),
+                      (scales.out, call_extents(p), _row_strides(p.out)), constexprs,
+                      dict(num_warps=8 if config.block_m * min(padded_head_size(D), 128) > 8192 else 4, num_stages=1))
+
+
+def combine_tensors(tensors: tuple) -> tuple:
+    """The combine launch's tensor groups, taken from the first launch's (:func:`call_tensors`)."""
+    tokens, _, batch, per_head, scale_tensors, partials = tensors
+    return tokens, batch, per_head, scale_tensors, partials
 
 
 def _row_strides(t: Optional[torch.Tensor]) -> RowStrides:
@@ -208,8 +248,9 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: Optional[Pro
     scales, scale_from_tensor = scale_arguments(p)
     opts = p.options
     window = opts.sliding_window  # None: no window (the kernel's int argument is then unused; 0 is passed)
-    tokens, _, batch, per_head, scale_tensors = call_tensors(p)
-    tensors = (Tokens(*tokens), cache, Batch(*batch), PerHead(*per_head), ScaleTensors(*scale_tensors))
+    tokens, _, batch, per_head, scale_tensors, partials = call_tensors(p, config.key_splits)
+    tensors = (Tokens(*tokens), cache, Batch(*batch), PerHead(*per_head), ScaleTensors(*scale_tensors),
+               Partials(*partials))
     scalars = (
         scales, float(opts.softcap), window or 0, call_extents(p),
         TokenStrides(_row_strides(q), _row_strides(p.k), _row_strides(p.v), _row_strides(p.out)),
@@ -218,7 +259,7 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: Optional[Pro
     constexprs = dict(
         HEAD_SIZE=D, HEAD_SIZE_PADDED=padded_head_size(D),
         TILE=Tile(config.block_m, config.block_n, config.heads_per_tile, triton.cdiv(group, config.heads_per_tile),
-                  config.split_masks, dot_precision(q.dtype, config)),
+                  config.split_masks, dot_precision(q.dtype, config), config.key_splits),
         LAYOUT=layout, FEATURES=call_features(p), SCALE_FROM_TENSOR=scale_from_tensor,
     )
     options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
@@ -233,15 +274,26 @@ def jit_launch(kernel: Any, call: KernelCall, device: torch.device):
 
 
 def launch_prefill(problem: PrefillProblem, config: TileConfig, shape: Optional[ProblemShape] = None):
-    """Run the prefix-prefill kernel for ``problem`` (already validated) with ``config`` (see :func:`kernel_call`).
+    """Run the prefix-prefill kernel for ``problem`` (already validated) with ``config`` (see :func:`kernel_call`),
+    and with split keys the combine after it.
 
-    Returns Triton's compiled-kernel handle (its ``metadata.shared`` is the shared memory it uses), or None
-    when there was nothing to launch.
+    Returns Triton's compiled-kernel handle of the first launch (its ``metadata.shared`` is the shared memory it
+    uses), or None when there was nothing to launch.
     """
     call = kernel_call(problem, config, shape)
     if call is None:
         return None
-    return jit_launch(prefix_prefill_kernel, call, problem.q.device)
+    compiled = jit_launch(prefix_prefill_kernel, call, problem.q.device)
+    launch_combine(problem, config, call.tensors, call.grid)
+    return compiled
+
+
+def launch_combine(problem: PrefillProblem, config: TileConfig, groups: tuple, grid: tuple) -> None:
+    """After a launch of ``config`` with ``grid`` on the tensors ``groups`` (:func:`call_tensors`' six groups, in
+    its order; core's kernel takes them as they are), merge its partial rows when ``config`` splits the keys;
+    nothing otherwise."""
+    if config.key_splits > 1:
+        jit_launch(combine_splits_kernel, combine_call(problem, config, groups, grid), problem.q.device)
 
 
 def _launches_hooked() -> bool:
@@ -305,8 +357,8 @@ class BoundLaunch:
             t = tensors[i] if j is None else tensors[i][j]
             if t.data_ptr() % 16:
                 return False  # the compiled code assumes 16-byte alignment this tensor lacks
-        g0, g1 = self._grid
-        self._run(g0, g1, 1, self._stream(self._device_index), self._function, self._metadata, None, None, None,
+        g0, g1, g2 = self._grid
+        self._run(g0, g1, g2, self._stream(self._device_index), self._function, self._metadata, None, None, None,
                   *tensors, *self._tail)
         return True
 
@@ -325,10 +377,48 @@ def bind(kernel: Any, call: KernelCall, device: torch.device,
 
 
 def bind_launch(problem: PrefillProblem, config: TileConfig, shape: Optional[ProblemShape] = None
-                ) -> Optional[BoundLaunch]:
-    """Launch ``problem`` on the portable kernel (compiling on first use) and return a :class:`BoundLaunch` for
-    later calls with the same signature; None when there was nothing to launch or no GPU driver runs it."""
+                ) -> Optional[Callable[[tuple], bool]]:
+    """Launch ``problem`` on the portable kernel (compiling on first use; with split keys the combine too) and
+    return a :class:`BoundLaunch` (a :class:`SplitLaunch` with split keys) for later calls with the same
+    signature; None when there was nothing to launch or no GPU driver runs it."""
     call = kernel_call(problem, config, shape)
     if call is None:
         return None
-    return bind(prefix_prefill_kernel, call, problem.q.device)
+    return with_combine(bind(prefix_prefill_kernel, call, problem.q.device), problem, config, call.tensors, call.grid)
+
+
+class SplitLaunch:
+    """A bound launch with split keys and the bound combine after it: called like :class:`BoundLaunch`, with the
+    first launch's groups (:func:`call_tensors`, partial rows included)."""
+
+    __slots__ = ("_first", "_combine")
+
+    def __init__(self, first: Callable[[tuple], bool], combine: BoundLaunch):
+        self._first = first
+        self._combine = combine
+
+    def __call__(self, tensors: tuple) -> bool:
+        # The combine reads a subset of the tensors the first launch accepted: it accepts them too.
+        return self._first(tensors) and self._combine(combine_tensors(tensors))
+
+
+def with_combine(first: Optional[Callable[[tuple], bool]], problem: PrefillProblem, config: TileConfig,
+                 groups: tuple, grid: tuple) -> Optional[Callable[[tuple], bool]]:
+    """``first``, a bound launch of ``config`` just run with ``grid`` on ``groups`` (:func:`call_tensors`' six
+    groups), completed by the combine when ``config`` splits the keys: the combine of this call runs now, and
+    the result launches both (a :class:`SplitLaunch`). Without a bound launch (no GPU driver launches
+    directly) the combine runs through Triton's JIT and None is returned."""
+    if config.key_splits == 1:
+        return first
+    if first is None:
+        launch_combine(problem, config, groups, grid)
+        return None
+    combine = bind_combine(problem, config, groups, grid)
+    return None if combine is None else SplitLaunch(first, combine)
+
+
+def bind_combine(problem: PrefillProblem, config: TileConfig, groups: tuple, grid: tuple) -> Optional[BoundLaunch]:
+    """Run the combine of a launch of ``config`` (``key_splits`` > 1) with ``grid`` on ``groups``
+    (:func:`call_tensors`' six groups) and bind it for later calls of the same signature, which pass
+    :func:`combine_tensors` of theirs; None where no GPU driver launches directly (it ran through the JIT)."""
+    return bind(combine_splits_kernel, combine_call(problem, config, groups, grid), problem.q.device)
