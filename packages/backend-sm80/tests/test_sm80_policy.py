@@ -217,3 +217,17 @@ def test_a_bad_value_of_sm80s_variables_is_refused_at_selection_on_any_machine(m
     assert words in str(raised.value)
     monkeypatch.setenv(name, "")
     pp.select_backend("cpu")
+
+
+@pytest.mark.parametrize(("num_tokens", "num_seqs", "splits"), [(4, 4, 3), (16, 2, 6), (8192, 8, 1), (256, 256, 1)])
+def test_hopper_launches_too_small_to_fill_the_gpu_split_their_keys(num_tokens, num_seqs, splits):
+    """Decode rows of few sequences (4 x 8 KV heads: 32 programs for 100 multiprocessors here) split each tile's
+    keys into waves that fill the device; prefills and full decode batches do not."""
+    from pagedprefill.tiling import key_splits_for
+
+    shape = ProblemShape(128, 32, 8, torch.bfloat16, num_tokens=num_tokens, num_seqs=num_seqs)
+    config = sm80_policy(shape, H200)
+    assert config.kernel == "hopper" and config.key_splits == splits
+    assert config.key_splits == key_splits_for(shape, config.with_(key_splits=1), H200)
+    kernel, why = Sm80Backend().kernel_choice(shape, H200)
+    assert kernel == "hopper" and (f"split {splits} ways" in why) == (splits > 1), why

@@ -73,8 +73,12 @@ class Sm80Backend(TritonBackend):
         kernel, why = choose_kernel(shape, device)
         if kernel != "hopper":
             return kernel, why
-        flags = [name for name, on in hopper_schedule(shape, self.tile_config(shape, device).block_n).items() if on]
-        return kernel, why + (f"; schedule {'+'.join(flags)}" if flags else "")
+        config = self.tile_config(shape, device)
+        flags = [name for name, on in hopper_schedule(shape, config.block_n).items() if on]
+        why += f"; schedule {'+'.join(flags)}" if flags else ""
+        if config.key_splits > 1:
+            why += f"; each tile's keys split {config.key_splits} ways (the launch would not fill the GPU)"
+        return kernel, why
 
     def kernel_for(self, problem: PrefillProblem, device: DeviceInfo) -> str:
         """The kernel that runs ``problem``: the policy's choice, or the portable kernel when the Hopper

@@ -19,7 +19,8 @@ default: :data:`HOPPER_WINS`), or for every shape it takes when ``PAGEDPREFILL_S
 it; ``portable`` forces core's kernel everywhere. The kernel is chosen first, then its tile: a table entry
 names the kernel it was measured on (``pagedprefill tune`` measures the chosen kernel's tiles,
 :func:`search_space`), and only entries of the chosen kernel count; the Hopper kernel's rule is
-:func:`hopper_config`. Some routes also set the Hopper kernel's schedule flags (:func:`hopper_schedule`).
+:func:`hopper_config`. Some routes also set the Hopper kernel's schedule flags (:func:`hopper_schedule`). A
+Hopper launch too small to fill the GPU splits each tile's keys (:func:`pagedprefill.tiling.key_splits_for`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from importlib import resources
 from typing import Optional
 
 from pagedprefill.device import DeviceInfo
-from pagedprefill.tiling import ProblemShape, TileConfig, settle, shrink_to_fit
+from pagedprefill.tiling import ProblemShape, TileConfig, key_splits_for, settle, shrink_to_fit
 from pagedprefill.tuning import load_table, lookup, table_key, user_table_path
 from pagedprefill.types import KVCacheDType, KVLayout
 
@@ -199,7 +200,9 @@ def sm80_policy(shape: ProblemShape, device: DeviceInfo) -> TileConfig:
         # Its fit was checked against the Hopper kernel's own shared-memory model (shape_unfit_reason): the
         # portable kernel's (shrink_to_fit) counts buffers this kernel does not allocate and would drop a stage
         # from a tile that fits (128 keys in 3 stages at head size 128: 225 KiB).
-        return settle(config, shape)
+        config = settle(config, shape)
+        # Launches too small to fill the GPU (decode rows, few sequences on long contexts) split each tile's keys.
+        return config.with_(key_splits=key_splits_for(shape, config, device))
     return portable_config(shape, device)
 
 

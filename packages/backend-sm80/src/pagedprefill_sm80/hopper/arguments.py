@@ -32,7 +32,8 @@ class Strides(NamedTuple):
 class Tile(NamedTuple):
     """The policy's tile as the kernel needs it: ``BLOCK_M`` rows (``HEADS_PER_TILE`` query heads of one KV
     group packed, ``HEAD_CHUNKS`` programs per KV head), ``BLOCK_N`` keys per step in a ring of ``STAGES``
-    buffers, ``NUM_WARPS`` consumer warps in all (two warpgroups under ``PINGPONG``)."""
+    buffers, ``NUM_WARPS`` consumer warps in all (two warpgroups under ``PINGPONG``), ``KEY_SPLITS`` programs
+    sharing the tile's keys (1: none; more: each writes partial rows for core's combine)."""
 
     BLOCK_M: int
     BLOCK_N: int
@@ -40,6 +41,7 @@ class Tile(NamedTuple):
     HEAD_CHUNKS: int
     STAGES: int
     NUM_WARPS: int
+    KEY_SPLITS: int = 1
 
 
 class Layout(NamedTuple):

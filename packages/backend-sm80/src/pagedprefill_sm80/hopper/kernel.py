@@ -22,7 +22,7 @@ numbers are clamped, and query rows outside ``q`` are masked, so inconsistent me
 outside the caller's tensors.
 """
 
-from pagedprefill.triton.blocks import tile_rows, tile_sequence, visible_keys
+from pagedprefill.triton.blocks import split_tiles, tile_rows, tile_sequence, visible_keys
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
@@ -104,7 +104,9 @@ def allocate_ring(cfg, v_cache_t, k_cache, dtype: gl.constexpr):
 def key_walk(cfg, rows, window, table_width, num_blocks):
     """The key tiles the query tile visits (:class:`~.state.KeyWalk`): the cached prefix from the first tile
     the window reaches, then the new tokens up to the causal diagonal, or (their K/V in the cache) one cached
-    walk over both."""
+    walk over both. With split keys, this program's share of that walk (core's
+    :func:`~pagedprefill.triton.blocks.split_tiles`): the producer and the consumers walk it as they would a
+    whole one."""
     BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
     CAUSAL: gl.constexpr = cfg.FEATURES.CAUSAL
     NEW_KV_IN_CACHE: gl.constexpr = cfg.FEATURES.NEW_KV_IN_CACHE
@@ -125,12 +127,17 @@ def key_walk(cfg, rows, window, table_width, num_blocks):
         else:
             new_end = q_len
         new_tiles = gl.cdiv(gl.maximum(new_end - new_start, 0), BLOCK_N)
+    if cfg.TILE.KEY_SPLITS > 1:
+        cache_first, cache_tiles, new_first, new_tiles = split_tiles(cache_tiles, new_tiles, gl.program_id(2),
+                                                                     cfg.TILE.KEY_SPLITS)
+        cache_start = cache_start + cache_first * BLOCK_N
+        new_start = new_start + new_first * BLOCK_N
     return KeyWalk(cache_start, cache_tiles, new_start, new_tiles, ctx_len + tok0, full_from)
 
 
 @gluon.jit
 def hopper_prefill_kernel(
-    tokens, k_cache, v_cache, k_new, v_new, v_cache_t, cache, batch, per_head, scale_tensors,
+    tokens, k_cache, v_cache, k_new, v_new, v_cache_t, cache, batch, per_head, scale_tensors, partials,
     qk_scale, scales, softcap, window, extents, strides,
     TILE: gl.constexpr, LAYOUT: gl.constexpr, FEATURES: gl.constexpr, SCALE_FROM_TENSOR: gl.constexpr,
     SCHEDULE: gl.constexpr,
@@ -189,7 +196,7 @@ def hopper_prefill_kernel(
                (cache[1], strides.value_rows_per_block, strides.value_row))
     # What every consumer reads, and what the producer does: each partition's arguments, written once.
     consumed = (ring, rows, walk, per_head, (window, softcap, qk_scale), (scales, scale_tensors),
-                (tokens[3], strides.out))
+                (tokens[3], strides.out, partials))
     produced = (cfg, sources, ring, table, rows, walk)
     ROWS: gl.constexpr = cfg.ROWS
     if SCHEDULE.PINGPONG:

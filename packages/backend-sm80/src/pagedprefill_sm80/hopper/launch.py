@@ -4,8 +4,9 @@ The policy chooses the kernel from what a call looks like (:func:`.schedule.shap
 properties only the tensors know (strides that a 2-D TMA view needs, 16-byte alignment) are checked per call
 signature by :func:`unfit_reason`, and a call that fails them runs on the portable kernel with the same tile.
 Everything a launch shares with the portable kernel's (the feature flags, the scales, the plain tensors, the
-JIT launch and the bind) is core's (:mod:`pagedprefill.triton.launch`). Like core's launcher, nothing here
-synchronises with the device or allocates.
+JIT launch, the bind and, with split keys, the partial rows and their combine) is core's
+(:mod:`pagedprefill.triton.launch`). Like core's launcher, nothing here synchronises with the device, and only
+a launch with split keys allocates (its partial rows, through core).
 """
 
 from __future__ import annotations
@@ -17,16 +18,19 @@ import torch
 import triton
 from pagedprefill.cache import as_stored_type
 from pagedprefill.tiling import ProblemShape, TileConfig, launch_grid
-from pagedprefill.triton.arguments import Batch, Cache, PerHead, RowStrides, ScaleTensors, Tokens
+from pagedprefill.triton.arguments import Batch, Cache, Partials, PerHead, RowStrides, ScaleTensors, Tokens
 from pagedprefill.triton.blocks import LOG2E
 from pagedprefill.triton.launch import (
     FP8_E4M3_MAX,
     KernelCall,
     bind,
+    bind_combine,
     call_extents,
     call_features,
     call_tensors,
+    combine_tensors,
     jit_launch,
+    launch_combine,
     scale_arguments,
 )
 from pagedprefill.types import KVLayout, PrefillProblem
@@ -192,9 +196,15 @@ def call_tensors_of(p: PrefillProblem, config: TileConfig, flags: dict) -> tuple
     else:
         k_new = _descriptor(p.k, 0, (1, 2), rows_of(config.block_n))
         v_new = _descriptor(p.v, 0, (1, 2), rows_of(config.block_n))
-    tokens, _, batch, per_head, scale_tensors = call_tensors(p)
+    tokens, _, batch, per_head, scale_tensors, partials = call_tensors(p, config.key_splits)
     return (Tokens(*tokens), k_cache, v_cache, k_new, v_new, v_cache_t, Cache(key, value, p.batch.block_table),
-            Batch(*batch), PerHead(*per_head), ScaleTensors(*scale_tensors))
+            Batch(*batch), PerHead(*per_head), ScaleTensors(*scale_tensors), Partials(*partials))
+
+
+def core_groups(tensors: tuple) -> tuple:
+    """Core's six tensor groups (:func:`pagedprefill.triton.launch.call_tensors`) out of the kernel's tensor
+    arguments: all but the TMA descriptors, which core's combine does not read."""
+    return (tensors[0], *tensors[DESCRIPTORS.stop:])
 
 
 #: Where the TMA descriptors sit among the kernel's arguments: consecutive top-level arguments, where Triton's
@@ -233,7 +243,7 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
     group = H // p.num_kv_heads
     constexprs = dict(
         TILE=Tile(config.block_m, config.block_n, config.heads_per_tile, triton.cdiv(group, config.heads_per_tile),
-                  config.num_stages, config.num_warps),
+                  config.num_stages, config.num_warps, config.key_splits),
         LAYOUT=Layout(split, p.cache.key.shape[4] if split else 8, p.cache.block_size, PADDED_HEADS.get(D, D), D,
                       p.cache.dtype.is_fp8, FP8_E4M3_MAX),
         FEATURES=call_features(p), SCALE_FROM_TENSOR=scale_from_tensor, SCHEDULE=kernel_schedule,
@@ -253,7 +263,9 @@ def launch_hopper(problem: PrefillProblem, config: TileConfig, shape: ProblemSha
     call = kernel_call(problem, config, shape, schedule)
     if call is None:
         return None
-    return jit_launch(hopper_prefill_kernel, call, problem.q.device)
+    compiled = jit_launch(hopper_prefill_kernel, call, problem.q.device)
+    launch_combine(problem, config, core_groups(call.tensors), call.grid)
+    return compiled
 
 
 class _Address:
@@ -282,7 +294,8 @@ class _Arguments:
     call) is reused as it is. With an :class:`~.encoded.EncodedLauncher` each descriptor is passed encoded, and
     encoded again only when its tensor moved."""
 
-    def __init__(self, first: PrefillProblem, tensors: tuple, encoded: Optional[EncodedLauncher] = None):
+    def __init__(self, first: PrefillProblem, tensors: tuple, encoded: Optional[EncodedLauncher] = None,
+                 key_splits: int = 1):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         sources = _descriptor_sources(first)
@@ -297,12 +310,13 @@ class _Arguments:
                                     arg.layout))
         self._descriptor = TensorDescriptor
         self._encoded = encoded
+        self._key_splits = key_splits
 
     def __call__(self, later: PrefillProblem) -> Optional[tuple]:
         """The arguments for ``later``, or None when an address lost TMA's 16-byte alignment."""
         sources = _descriptor_sources(later)
-        tokens, cache, batch, per_head, scale_tensors = call_tensors(later)
-        args = [tokens, None, None, None, None, None, cache, batch, per_head, scale_tensors]
+        tokens, cache, batch, per_head, scale_tensors, partials = call_tensors(later, self._key_splits)
+        args = [tokens, None, None, None, None, None, cache, batch, per_head, scale_tensors, partials]
         for position, source, dtype, shape, strides, block, layout in self._slots:
             ptr = sources[source].data_ptr()
             last = self._last.get(position)
@@ -334,10 +348,18 @@ def bind_hopper(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
     if bound is None:
         return None
     encoded = bound.launcher if isinstance(bound.launcher, EncodedLauncher) else None
-    arguments = _Arguments(problem, call.tensors, encoded)
+    arguments = _Arguments(problem, call.tensors, encoded, config.key_splits)
+    combine = None
+    if config.key_splits > 1:
+        combine = bind_combine(problem, config, core_groups(call.tensors), call.grid)
+        if combine is None:
+            return None
 
     def launch(later: PrefillProblem) -> bool:
         tensors = arguments(later)
-        return tensors is not None and bound(tensors)
+        if tensors is None or not bound(tensors):
+            return False
+        # The combine reads a subset of the tensors the first launch accepted: it accepts them too.
+        return combine is None or combine(combine_tensors(core_groups(tensors)))
 
     return launch
