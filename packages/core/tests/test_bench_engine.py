@@ -333,3 +333,11 @@ def test_a_backend_that_cannot_run_on_the_device_is_named_with_its_reasons():
     assert any(line.startswith("generic: not run on ") and "TRITON_INTERPRET=1" in line for line in said), said
     assert {r["backend"] for r in rows} == {"reference"}
     assert [r["impl"] for r in rows] == ["engine", "nhd", "split"]  # one backend runs: its name is not repeated
+
+
+@pytest.mark.parametrize(("capability", "expected"), [((9, 0), 1), ((10, 0), 0), ((8, 0), 0)])
+def test_fa4_splits_no_keys_on_sm90_and_lets_its_heuristic_choose_elsewhere(monkeypatch, capability, expected):
+    # FA4's sm90 kernels raise on any split its heuristic picks: the peer is timed unsplit there.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert fa4.num_splits(torch.device("cuda", 0)) == expected
+    assert fa4.num_splits(torch.device("cpu")) == 0

@@ -10,7 +10,9 @@ problem (k = v = None: the NHD cache holds every token, the new ones included), 
 * ``fa4 contig``: on each sequence's keys and values gathered beforehand into contiguous varlen tensors
   (``cu_seqlens_k``, no page table; the gather is not timed): the same kernel without pages.
 
-``num_splits=0`` lets FA4's heuristic choose whether to split the keys.
+``num_splits=0`` lets FA4's heuristic choose whether to split the keys, except on sm90, where its kernels split
+none (4.0.0b36 raises "SplitKV not supported on SM 9.0" whenever the heuristic would): ``num_splits=1`` there,
+so that the rows on which a split would help are timed as FA4 runs them on Hopper, not left out.
 """
 
 from __future__ import annotations
@@ -77,7 +79,15 @@ def _common(problem: PrefillProblem) -> dict:
     b = problem.batch
     return dict(cu_seqlens_q=b.query_start, max_seqlen_q=_max(b.query_start.diff()),
                 max_seqlen_k=_max(b.seq_lens), softmax_scale=problem.sm_scale, causal=problem.options.causal,
-                num_splits=0)
+                num_splits=num_splits(problem.device))
+
+
+def num_splits(device: torch.device) -> int:
+    """FA4's ``num_splits`` on ``device``: 1 on sm90, whose kernels split no keys (see the module docstring),
+    else 0 (its heuristic)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
+        return 1
+    return 0
 
 
 def _output(result) -> torch.Tensor:
