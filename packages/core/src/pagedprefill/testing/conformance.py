@@ -33,7 +33,7 @@ from ..backends.triton_base import TritonBackend
 from ..device import DeviceInfo, interpreter_enabled
 from ..features import check_runnable, missing_features
 from ..registry import UnsupportedFeatureError
-from ..tiling import settle
+from ..tiling import problem_shape, settle
 from ..types import KVCacheDType, PrefillProblem
 from ..validation import validate_problem
 from ..workloads import BatchSpec, fresh_output, make_problem
@@ -182,6 +182,25 @@ class ConformanceSuite:
             if reason:
                 pytest.skip(reason)
             self._check(spec, pagedprefill_device, f"{self.backend}/multi_tile/{case}/seed={seed}")
+
+    @pytest.mark.parametrize("case", sorted(CASES))
+    def test_unsplit_case_matches_reference(self, case, pagedprefill_device, pagedprefill_size, monkeypatch):
+        """The named cases with one program per query tile where the policy splits their keys (a GPU on which
+        the small cases cannot fill the device): the unsplit walk and epilogue stay covered there too."""
+        backend = get_registry().get(self.backend)
+        if not isinstance(backend, TritonBackend):
+            pytest.skip(f"backend {self.backend!r} has no tiles to split; test_case_matches_reference covers it")
+        spec = self.case_spec(case, pagedprefill_size, self.seeds[0])
+        reason = self._skip_reason(spec, pagedprefill_device, case)
+        if reason:
+            pytest.skip(reason)
+        shape = problem_shape(make_problem(spec, pagedprefill_device))
+        policy_tile = backend.tile_config
+        if policy_tile(shape, self.device_info(pagedprefill_device)).key_splits == 1:
+            pytest.skip("the policy splits no keys of this case here: test_case_matches_reference runs it unsplit")
+        monkeypatch.setattr(backend, "tile_config",
+                            lambda shape, device: policy_tile(shape, device).with_(key_splits=1))
+        self._check(spec, pagedprefill_device, f"{self.backend}/{case}/unsplit/seed={self.seeds[0]}")
 
     @pytest.mark.parametrize("splits", SPLIT_KEY_COUNTS)
     @pytest.mark.parametrize("case", sorted(SPLIT_KEY_CASES))
