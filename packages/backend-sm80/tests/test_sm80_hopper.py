@@ -227,9 +227,10 @@ def test_every_routes_register_split_fits_the_sm():
 def test_the_policy_and_the_schedule_import_without_triton():
     """The policy decides a call's kernel, tile and schedule flags without compiling anything, so a process that
     only asks (``pagedprefill info``, a serving engine's planner) does not import Triton for it."""
-    # On a GPU machine core's import already imports Triton (its backend selection asks Triton's driver about the
-    # device), and torch's CUDA builds may too: only what the policy adds to them counts.
-    proc = run_child("import sys, torch, pagedprefill\n"
+    # Core's import selects a backend, asking Triton's driver about a GPU: deferred here, as a planner may defer
+    # it. torch's CUDA builds may import Triton themselves: only what the policy adds counts.
+    proc = run_child("import os, sys, torch\n"
+                     "os.environ['PAGEDPREFILL_LAZY_SELECT'] = '1'\n"
                      "loaded = lambda: {m for m in sys.modules if m == 'triton' or m.startswith('triton.')}\n"
                      "before = loaded()\n"
                      "import pagedprefill_sm80.policy, pagedprefill_sm80.hopper.schedule\n"
