@@ -46,6 +46,8 @@
 #   hopper-conformance  sm80's conformance suite with the Hopper kernel forced (sm90 only), a sweep of SWEEP
 #                       problems (default 16)
 #   fuzz[=N]            N random cases against the reference on the selected backend (default 2000)
+#   engine-fuzz[=N]     N random cases of the serving engine's call (k = v = None, pages of 16 and up, mixed
+#                       decode, speculative and chunk rows) against the reference (default 5000)
 #   bench               `pagedprefill bench` on both layouts with the same-run peers, host overhead and a chart
 #                       (OUTDIR/bench.json, bench.png, bench.txt); COMMIT names the commit it records
 #   bench-context       the same for the context-scaling suite (2 x 1024 new tokens on 8k, 32k and 128k cached)
@@ -112,9 +114,11 @@ lists=("$@")
 known_step() {
   case $1 in
     core-gpu|conformance|conformance-generic|conformance-sm80|conformance-bi100|hopper-conformance|fuzz|bench \
+      |engine-fuzz \
       |bench-context|hopper|hopper-schedules|guard-cost|host-overhead|tune|nox) return 0 ;;
     conformance=*) [[ ${1#conformance=} =~ ^(generic|sm80|bi100)(,(generic|sm80|bi100))*$ ]] ;;
     fuzz=*) [[ ${1#fuzz=} =~ ^[0-9]+$ ]] ;;
+    engine-fuzz=*) [[ ${1#engine-fuzz=} =~ ^[0-9]+$ ]] ;;
     host-overhead=*) [[ ${1#host-overhead=} =~ ^(split|nhd)(,(split|nhd))*$ ]] ;;
     nox=*) [[ ${1#nox=} =~ ^[a-z0-9_-]+(,[a-z0-9_-]+)*$ ]] ;;
     *) return 1 ;;
@@ -189,6 +193,11 @@ run_step() {  # STEP: its commands, with `log`, `step_end` and `step_rc` set by 
       local cases=2000; [ "$step" = fuzz ] || cases=${step#fuzz=}
       run "$PYTHON" -m pytest -q -s -p no:cacheprovider -p no:xdist packages/core/tests/gpu/test_fuzz_gpu.py \
         --pagedprefill-device=cuda --pagedprefill-fuzz="$cases"
+      report tail -n 8 "$log" ;;
+    engine-fuzz|engine-fuzz=*)
+      local cases=5000; [ "$step" = engine-fuzz ] || cases=${step#engine-fuzz=}
+      run "$PYTHON" -m pytest -q -s -p no:cacheprovider -p no:xdist packages/core/tests/gpu/test_fuzz_gpu.py \
+        -k engine --pagedprefill-device=cuda --pagedprefill-fuzz-engine="$cases"
       report tail -n 8 "$log" ;;
     bench)
       RUN_OUT="$out/bench.txt" run "$PYTHON" -m pagedprefill bench --layout both --no-reference --reps 100 \

@@ -216,3 +216,21 @@ def test_gpu_fuzz_case_840_small_fp8_output_scale(pagedprefill_device):
     assert spec.fp8_out_scale is not None and spec.fp8_out_scale < 0.01 and spec.head_size == 256
     info = DeviceInfo.detect(pagedprefill_device)
     assert run_case(backend, info, pagedprefill_device, spec, label="gpu-fuzz/840")
+
+
+@pytest.mark.parametrize("base", [FuzzSizes.cpu(), FuzzSizes.gpu()], ids=["cpu", "gpu"])
+def test_engine_fuzz_draws_the_engines_call_on_pages_of_16_and_up_with_mixed_rows(base):
+    sizes = base.engine_mode()
+    specs = _specs(sizes, 1500)
+    batches = [s for s in specs if any(s.query_lens)]
+    assert all(s.kv_in_cache for s in specs)
+    assert all(16 <= s.block_size <= 544 for s in specs)
+    assert {16, 128, 544} <= {s.block_size for s in specs} and {"nhd", "split"} <= {s.layout for s in specs}
+    assert {"auto", "fp8_e4m3", "fp8_e5m2"} <= {str(s.kv_cache_dtype) for s in specs}
+    lens = [q for s in batches for q in s.query_lens]
+    assert 1 in lens and any(2 <= q <= 8 for q in lens) and any(q > 8 for q in lens)
+    mixed = [s for s in batches if 1 in s.query_lens and any(q > 1 for q in s.query_lens)]
+    assert len(mixed) > len(batches) // 10  # decode rows beside longer ones in one batch
+    assert "--engine" in sizes.cli_args() and "--engine" not in base.cli_args()
+    # A reproducer rebuilds the same stream.
+    assert rerun_command("generic", torch.device("cpu"), sizes, 0, 3).count("--engine") == 1

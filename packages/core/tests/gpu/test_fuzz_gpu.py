@@ -7,15 +7,29 @@ A progress line reaches the terminal at least every 15 s without ``-s``; each fa
 command that reruns exactly that case::
 
     pytest packages/core/tests/gpu/test_fuzz_gpu.py --pagedprefill-device=cuda --pagedprefill-fuzz=2000
+
+``--pagedprefill-fuzz-engine=N`` adds N cases of the serving engine's call (``FuzzSizes.engine``: k = v = None on
+pages of 16 and up, batches of decode, speculative and chunk rows; on GPUs the small batches split their keys).
 """
 
 from __future__ import annotations
 
+import pytest
 from pagedprefill.testing.fuzz import FuzzSizes, ProgressPrinter, default_compile_workers, precompile, run_fuzz
 
 
 def test_fuzz_matches_reference(gpu, gpu_backend, pagedprefill_fuzz, terminal_line):
-    sizes = FuzzSizes.gpu()
+    fuzz(gpu, gpu_backend, FuzzSizes.gpu(), pagedprefill_fuzz, terminal_line)
+
+
+def test_engine_fuzz_matches_reference(gpu, gpu_backend, pagedprefill_fuzz_engine, terminal_line):
+    if not pagedprefill_fuzz_engine:
+        pytest.skip("the engine's fuzz runs when asked for: --pagedprefill-fuzz-engine=N (e.g. 5000)")
+    fuzz(gpu, gpu_backend, FuzzSizes.gpu().engine_mode(), pagedprefill_fuzz_engine, terminal_line)
+
+
+def fuzz(gpu, gpu_backend, sizes: FuzzSizes, pagedprefill_fuzz: int, terminal_line) -> None:
+    """``pagedprefill_fuzz`` cases of ``sizes`` on the selected backend, its kernels compiled first."""
     terminal_line(f"fuzz: backend={gpu_backend.name} device={gpu} cases={pagedprefill_fuzz} seed=0, "
                   f"{sizes.keys} compile keys")
     workers = default_compile_workers()

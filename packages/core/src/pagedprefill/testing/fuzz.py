@@ -76,6 +76,9 @@ GPU_HEAD_SIZES = (1, 24, 64, 80, 128, 256)
 COMMON_BLOCK_SIZES = (1, 2, 8, 16, 32, 64, 128, 256, 544)
 COMMON_HEAD_SIZES = (1, 8, 16, 24, 32, 40, 64, 72, 80, 96, 112, 128, 160, 192, 256)
 MAX_BLOCK_SIZE = 544
+#: Page sizes of the engine cases (:attr:`FuzzSizes.engine`): those serving engines allocate, the largest the
+#: fuzz draws, and pages of a whole key tile and more.
+ENGINE_BLOCK_SIZES = (16, 32, 64, 128, 256, 544)
 MAX_HEAD_SIZE = 256
 MAX_GQA_RATIO = 64
 #: Policies call a batch "long" when its sequences bring more than this many new tokens on average
@@ -102,6 +105,9 @@ class FuzzSizes:
         keys: None (every case draws its own compile key) or the size of the menu of compile keys the cases
             cycle through (the number of kernels a GPU run compiles).
         scale: the factor token counts were scaled by (:meth:`scaled`; named in reproducers).
+        engine: every case the serving engine's call (``k = v = None``, where the backend runs it), on pages of
+            :data:`ENGINE_BLOCK_SIZES` or any size from 16 to the largest, on batches that mix decode rows,
+            speculative rows and chunks (:meth:`engine_mode`; named in reproducers).
     """
 
     mode: str = "cpu"
@@ -116,6 +122,11 @@ class FuzzSizes:
     full_length_heads: Optional[int] = 4
     keys: Optional[int] = None
     scale: float = 1.0
+    engine: bool = False
+
+    def engine_mode(self) -> FuzzSizes:
+        """These sizes with every case the serving engine's call (:attr:`engine`)."""
+        return dataclasses.replace(self, engine=True)
 
     @classmethod
     def cpu(cls) -> FuzzSizes:
@@ -153,6 +164,8 @@ class FuzzSizes:
             args += f" --scale {self.scale:g}"
         if self.keys != base.keys:
             args += f" --keys {self.keys or 0}"
+        if self.engine:
+            args += " --engine"
         return args
 
 
@@ -258,8 +271,9 @@ class FuzzGenerator:
             return rng.choice(choices)
         return rng.choice(COMMON_HEAD_SIZES) if rng.random() < 0.5 else rng.randint(1, MAX_HEAD_SIZE)
 
-    @staticmethod
-    def _block_size(rng: random.Random) -> int:
+    def _block_size(self, rng: random.Random) -> int:
+        if self.sizes.engine:  # the page sizes serving engines use, and any other from 16 up
+            return rng.choice(ENGINE_BLOCK_SIZES) if rng.random() < 0.6 else rng.randint(16, MAX_BLOCK_SIZE)
         r = rng.random()
         if r < 0.35:
             return rng.choice(COMMON_BLOCK_SIZES)
@@ -290,9 +304,9 @@ class FuzzGenerator:
             causal=not ("non_causal" in features and rng.random() < 0.15),
             skip_decode="skip_decode" in features and rng.random() < 0.15,
             fp8_out_scale=1.0 if "fp8_out_scale" in features and rng.random() < 0.1 else None,
-            kv_in_cache="kv_in_cache" in features and rng.random() < 0.15,
+            kv_in_cache="kv_in_cache" in features and (sizes.engine or rng.random() < 0.15),
         )
-        if ordinal < len(_FIRST_PROFILES):
+        if ordinal < len(_FIRST_PROFILES) and not sizes.engine:
             forced = _FIRST_PROFILES[ordinal]
             if forced.get("num_heads", 0) <= sizes.max_heads and forced.get("dtype", sizes.dtypes[0]) in sizes.dtypes:
                 if not sizes.head_sizes or forced.get("head_size", sizes.head_sizes[0]) in sizes.head_sizes:
@@ -328,6 +342,9 @@ class FuzzGenerator:
         n = 1 if key.seqs_state == "1" else rng.randint(2, max(2, 2 if long else max_seqs))
         if long:
             qlens = [rng.randint(SHORT_WORKLOAD_TOKENS + 1, sizes.long_query_len) for _ in range(n)]
+        elif sizes.engine:  # one engine step: decode rows, speculative rows (2-8 tokens) and prefill chunks
+            qlens = [0 if r < 0.05 else 1 if r < 0.35 else rng.randint(2, min(8, max(2, max_q))) if r < 0.6
+                     else rng.randint(2, max(2, max_q)) for r in (rng.random() for _ in range(n))]
         else:
             qlens = [0 if r < 0.12 else 1 if r < 0.35 else rng.randint(2, max(2, max_q))
                      for r in (rng.random() for _ in range(n))]
@@ -731,6 +748,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--scale", type=float, default=1.0, help="multiply token counts by this factor")
     parser.add_argument("--keys", type=int, default=None,
                         help="number of compile keys the cases cycle through (gpu default 24; 0 = a new key per case)")
+    parser.add_argument("--engine", action="store_true",
+                        help="every case the serving engine's call: k = v = None, pages of 16 and up, mixed rows")
     parser.add_argument("--every", type=float, default=15.0, help="seconds between progress lines (default 15)")
     parser.add_argument("--compile-workers", type=int, default=None, metavar="N",
                         help="on a GPU, compile the compile keys' kernels in N processes before the run (default: "
@@ -744,6 +763,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     sizes = FuzzSizes.for_device(device) if args.mode is None else FuzzSizes.preset(args.mode)
     if args.keys is not None:
         sizes = dataclasses.replace(sizes, keys=args.keys or None)
+    if args.engine:
+        sizes = sizes.engine_mode()
     if args.scale != 1.0:
         if not (math.isfinite(args.scale) and args.scale > 0):
             parser.error(f"--scale: expected a positive number, got {args.scale}")

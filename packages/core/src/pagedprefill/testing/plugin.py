@@ -82,6 +82,9 @@ def pytest_addoption(parser):
                     help="number of random cases in the conformance sweep (default 8 on CPU, 200 on GPU)")
     group.addoption("--pagedprefill-fuzz", type=int, default=2000,
                     help="number of random cases of the GPU fuzz against the reference (default 2000)")
+    group.addoption("--pagedprefill-fuzz-engine", type=int, default=0,
+                    help="number of random cases of the GPU fuzz of the serving engine's call (k = v = None, "
+                         "pages of 16 and up, mixed decode, speculative and chunk rows; default 0: not run)")
 
 
 @pytest.fixture(scope="session")
@@ -114,6 +117,15 @@ def pagedprefill_fuzz(request) -> int:
     n = request.config.getoption("--pagedprefill-fuzz")
     if n < 0:
         raise pytest.UsageError(f"--pagedprefill-fuzz: expected a number of cases >= 0, got {n}")
+    return n
+
+
+@pytest.fixture(scope="session")
+def pagedprefill_fuzz_engine(request) -> int:
+    """Number of cases of the GPU fuzz of the engine's call (``--pagedprefill-fuzz-engine``)."""
+    n = request.config.getoption("--pagedprefill-fuzz-engine")
+    if n < 0:
+        raise pytest.UsageError(f"--pagedprefill-fuzz-engine: expected a number of cases >= 0, got {n}")
     return n
 
 
