@@ -114,18 +114,19 @@ def pagedprefill_sweep(request, pagedprefill_device) -> int:
 @pytest.fixture(scope="session")
 def pagedprefill_fuzz(request) -> int:
     """Number of cases of the GPU fuzz (``--pagedprefill-fuzz``)."""
-    n = request.config.getoption("--pagedprefill-fuzz")
-    if n < 0:
-        raise pytest.UsageError(f"--pagedprefill-fuzz: expected a number of cases >= 0, got {n}")
-    return n
+    return _case_count(request, "--pagedprefill-fuzz")
 
 
 @pytest.fixture(scope="session")
 def pagedprefill_fuzz_engine(request) -> int:
     """Number of cases of the GPU fuzz of the engine's call (``--pagedprefill-fuzz-engine``)."""
-    n = request.config.getoption("--pagedprefill-fuzz-engine")
+    return _case_count(request, "--pagedprefill-fuzz-engine")
+
+
+def _case_count(request, option: str) -> int:
+    n = request.config.getoption(option)
     if n < 0:
-        raise pytest.UsageError(f"--pagedprefill-fuzz-engine: expected a number of cases >= 0, got {n}")
+        raise pytest.UsageError(f"{option}: expected a number of cases >= 0, got {n}")
     return n
 
 
