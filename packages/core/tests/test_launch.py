@@ -174,3 +174,16 @@ def test_bound_launch_declines_a_tensor_less_aligned_than_the_first_calls(case, 
         assert launch(tensors[:i] + (tuple(group),) + tensors[i + 1:]) is False, (i, j)
     assert compiled.calls == []
     assert launch(tensors) is True and len(compiled.calls) == 1
+
+
+def test_a_split_launch_runs_the_combine_on_the_first_launchs_groups_and_not_after_a_refusal():
+    from pagedprefill.triton.launch import SplitLaunch, combine_tensors
+
+    groups = tuple(f"group{i}" for i in range(6))
+    seen = []
+    combine = lambda tensors: seen.append(tensors) or True  # noqa: E731
+    own = ("descriptor", *groups)  # a backend kernel's tensors: core's groups among its own
+    assert SplitLaunch(lambda tensors: True, combine, lambda tensors: tensors[1:])(own)
+    assert seen == [combine_tensors(groups)] == [("group0", "group2", "group3", "group4", "group5")]
+    assert not SplitLaunch(lambda tensors: False, combine)(groups)
+    assert len(seen) == 1  # a first launch that declined launches no combine

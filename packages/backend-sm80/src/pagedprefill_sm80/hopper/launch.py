@@ -23,12 +23,12 @@ from pagedprefill.triton.blocks import LOG2E
 from pagedprefill.triton.launch import (
     FP8_E4M3_MAX,
     KernelCall,
+    SplitLaunch,
     bind,
     bind_combine,
     call_extents,
     call_features,
     call_tensors,
-    combine_tensors,
     jit_launch,
     launch_combine,
     scale_arguments,
@@ -349,17 +349,15 @@ def bind_hopper(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
         return None
     encoded = bound.launcher if isinstance(bound.launcher, EncodedLauncher) else None
     arguments = _Arguments(problem, call.tensors, encoded, config.key_splits)
-    combine = None
+    run = bound
     if config.key_splits > 1:
         combine = bind_combine(problem, config, core_groups(call.tensors), call.grid)
         if combine is None:
             return None
+        run = SplitLaunch(bound, combine, core_groups)
 
     def launch(later: PrefillProblem) -> bool:
         tensors = arguments(later)
-        if tensors is None or not bound(tensors):
-            return False
-        # The combine reads a subset of the tensors the first launch accepted: it accepts them too.
-        return combine is None or combine(combine_tensors(core_groups(tensors)))
+        return tensors is not None and run(tensors)
 
     return launch

@@ -206,15 +206,20 @@ def combine_call(problem: PrefillProblem, config: TileConfig, tensors: tuple, gr
     T, H, D = p.q.shape
     tokens, _, batch, per_head, scale_tensors, partials = tensors
     scales, scale_from_tensor = scale_arguments(p)
-    tile = Tile(config.block_m, config.block_n, config.heads_per_tile,
-                triton.cdiv(H // p.num_kv_heads, config.heads_per_tile), config.split_masks, "ieee",
-                config.key_splits)
-    constexprs = dict(HEAD_SIZE=D, HEAD_SIZE_PADDED=padded_head_size(D), TILE=tile, FEATURES=call_features(p),
+    constexprs = dict(HEAD_SIZE=D, HEAD_SIZE_PADDED=padded_head_size(D), TILE=tile_of(p, config),
+                      FEATURES=call_features(p),
                       OUT_SCALE_FROM_TENSOR=scale_from_tensor.OUT, OUT_MAX=FP8_E4M3_MAX)
     return KernelCall((grid[0], grid[1], 1), (Tokens(*tokens), Batch(*batch), PerHead(*per_head),
                                               ScaleTensors(*scale_tensors), Partials(*partials)),
                       (scales.out, call_extents(p), _row_strides(p.out)), constexprs,
                       dict(num_warps=8 if config.block_m * min(padded_head_size(D), 128) > 8192 else 4, num_stages=1))
+
+
+def tile_of(p: PrefillProblem, config: TileConfig) -> Tile:
+    """``config`` as core's kernel and the combine take it (:class:`.arguments.Tile`) for ``p``."""
+    group = p.num_heads // p.num_kv_heads
+    return Tile(config.block_m, config.block_n, config.heads_per_tile, triton.cdiv(group, config.heads_per_tile),
+                config.split_masks, dot_precision(p.q.dtype, config), config.key_splits)
 
 
 def combine_tensors(tensors: tuple) -> tuple:
@@ -243,7 +248,6 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: Optional[Pro
         return None
     if shape is None:
         shape = problem_shape(p)
-    group = H // p.num_kv_heads
     cache, cache_strides, layout = _cache_addressing(p, config)
     scales, scale_from_tensor = scale_arguments(p)
     opts = p.options
@@ -258,8 +262,7 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: Optional[Pro
     )
     constexprs = dict(
         HEAD_SIZE=D, HEAD_SIZE_PADDED=padded_head_size(D),
-        TILE=Tile(config.block_m, config.block_n, config.heads_per_tile, triton.cdiv(group, config.heads_per_tile),
-                  config.split_masks, dot_precision(q.dtype, config), config.key_splits),
+        TILE=tile_of(p, config),
         LAYOUT=layout, FEATURES=call_features(p), SCALE_FROM_TENSOR=scale_from_tensor,
     )
     options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
@@ -389,17 +392,20 @@ def bind_launch(problem: PrefillProblem, config: TileConfig, shape: Optional[Pro
 
 class SplitLaunch:
     """A bound launch with split keys and the bound combine after it: called like :class:`BoundLaunch`, with the
-    first launch's groups (:func:`call_tensors`, partial rows included)."""
+    first launch's tensors. ``groups(tensors)`` are :func:`call_tensors`' six groups among them (the tensors
+    themselves for core's kernel; a backend's own kernel may take more, TMA descriptors say)."""
 
-    __slots__ = ("_first", "_combine")
+    __slots__ = ("_first", "_combine", "_groups")
 
-    def __init__(self, first: Callable[[tuple], bool], combine: BoundLaunch):
+    def __init__(self, first: Callable[[tuple], bool], combine: BoundLaunch,
+                 groups: Callable[[tuple], tuple] = lambda tensors: tensors):
         self._first = first
         self._combine = combine
+        self._groups = groups
 
     def __call__(self, tensors: tuple) -> bool:
         # The combine reads a subset of the tensors the first launch accepted: it accepts them too.
-        return self._first(tensors) and self._combine(combine_tensors(tensors))
+        return self._first(tensors) and self._combine(combine_tensors(self._groups(tensors)))
 
 
 def with_combine(first: Optional[Callable[[tuple], bool]], problem: PrefillProblem, config: TileConfig,
