@@ -47,7 +47,8 @@
 #                       problems (default 16)
 #   fuzz[=N]            N random cases against the reference on the selected backend (default 2000)
 #   engine-fuzz[=N]     N random cases of the serving engine's call (k = v = None, pages of 16 and up, mixed
-#                       decode, speculative and chunk rows) against the reference (default 5000)
+#                       decode, speculative and chunk rows) against the reference (default 5000); both fuzz
+#                       steps share their cases among FUZZ_SHARDS processes when it is more than 1
 #   bench               `pagedprefill bench` on both layouts with the same-run peers, host overhead and a chart
 #                       (OUTDIR/bench.json, bench.png, bench.txt); COMMIT names the commit it records
 #   bench-context       the same for the context-scaling suite (2 x 1024 new tokens on 8k, 32k and 128k cached)
@@ -68,7 +69,8 @@
 #                       production), PYTEST_EXTRA passed to pytest; nox itself from .whl/*.whl carried in the
 #                       tree when it is not installed
 #
-# Environment: WORKERS (xdist workers of the suites; default the cores less four), STEP_TIMEOUT, DEADLINE,
+# Environment: WORKERS (xdist workers of the suites; default the cores less four), FUZZ_SHARDS (processes of
+# the fuzz steps, default 1), STEP_TIMEOUT, DEADLINE,
 # COMMIT, HOPPER_CHECK_ARGS, HOPPER_SCHEDULES, SWEEP, PYTEST_EXTRA, PROGRESS_EVERY (seconds, default 45), and
 # the library's own: PAGEDPREFILL_SM80_KERNEL (hopper, portable) and PAGEDPREFILL_SM80_SCHEDULE (e.g.
 # "KEY_LOADS=0") apply to every step of the list they are set for.
@@ -174,6 +176,33 @@ step_conformance() {  # BACKEND,...
   report results "$log"
 }
 
+step_fuzz_shards() {  # CASES [--engine]: the fuzz shared among FUZZ_SHARDS processes on the GPU
+  # The compile keys' kernels once, then each process runs its share of the one case stream (the reproducers
+  # are a single run's), each logging to <step>-shardK.log; the step's log gets their totals and failures.
+  local cases=$1 n=${FUZZ_SHARDS} k pids=() status total=0 failed=0 fuzz=("$PYTHON" -m pagedprefill.testing.fuzz
+    --device cuda --cases "$1" "${@:2}")
+  run "${fuzz[@]}" --compile-only
+  for ((k = 0; k < n; k++)); do
+    RUN_LOG="${log%.log}-shard$k.log" run "${fuzz[@]}" --shard "$k/$n" --compile-workers 0 &
+    pids+=($!)
+  done
+  for k in "${!pids[@]}"; do
+    status=0; wait "${pids[$k]}" || status=$?
+    [ "$status" = 0 ] || [ "$step_rc" != 0 ] || step_rc=$status
+  done
+  [ "$dry" = 1 ] && return 0
+  for ((k = 0; k < n; k++)); do
+    local one="${log%.log}-shard$k.log" line
+    line=$(grep -E '^fuzz: [0-9]+ cases, [0-9]+ failures' "$one" | tail -n 1)
+    [ -n "$line" ] || line="fuzz: 0 cases, 0 failures (shard $k/$n did not finish: $(tail -n 1 "$one"))"
+    total=$(( total + $(sed -E 's/^fuzz: ([0-9]+) cases.*/\1/' <<<"$line") ))
+    failed=$(( failed + $(sed -E 's/^fuzz: [0-9]+ cases, ([0-9]+) failures.*/\1/' <<<"$line") ))
+    { echo "shard $k/$n: $line"; grep '^FAIL ' "$one" | head -n 5; } >>"$log"
+  done
+  echo "fuzz: $total of $cases cases in $n processes, $failed failures" >>"$log"
+  report tail -n $(( 2 * n + 2 )) "$log"
+}
+
 run_step() {  # STEP: its commands, with `log`, `step_end` and `step_rc` set by the caller
   local step=$1
   case $step in
@@ -191,14 +220,22 @@ run_step() {  # STEP: its commands, with `log`, `step_end` and `step_rc` set by 
       report results "$log" ;;
     fuzz|fuzz=*)
       local cases=2000; [ "$step" = fuzz ] || cases=${step#fuzz=}
-      run "$PYTHON" -m pytest -q -s -p no:cacheprovider -p no:xdist packages/core/tests/gpu/test_fuzz_gpu.py \
-        --pagedprefill-device=cuda --pagedprefill-fuzz="$cases"
-      report tail -n 8 "$log" ;;
+      if [ "${FUZZ_SHARDS:-1}" -gt 1 ]; then
+        step_fuzz_shards "$cases"
+      else
+        run "$PYTHON" -m pytest -q -s -p no:cacheprovider -p no:xdist packages/core/tests/gpu/test_fuzz_gpu.py \
+          --pagedprefill-device=cuda --pagedprefill-fuzz="$cases"
+        report tail -n 8 "$log"
+      fi ;;
     engine-fuzz|engine-fuzz=*)
       local cases=5000; [ "$step" = engine-fuzz ] || cases=${step#engine-fuzz=}
-      run "$PYTHON" -m pytest -q -s -p no:cacheprovider -p no:xdist packages/core/tests/gpu/test_fuzz_gpu.py \
-        -k engine --pagedprefill-device=cuda --pagedprefill-fuzz-engine="$cases"
-      report tail -n 8 "$log" ;;
+      if [ "${FUZZ_SHARDS:-1}" -gt 1 ]; then
+        step_fuzz_shards "$cases" --engine
+      else
+        run "$PYTHON" -m pytest -q -s -p no:cacheprovider -p no:xdist packages/core/tests/gpu/test_fuzz_gpu.py \
+          -k engine --pagedprefill-device=cuda --pagedprefill-fuzz-engine="$cases"
+        report tail -n 8 "$log"
+      fi ;;
     bench)
       RUN_OUT="$out/bench.txt" run "$PYTHON" -m pagedprefill bench --layout both --no-reference --reps 100 \
         --commit "$(commit)" --json "$out/bench.json" --png "$out/bench.png"

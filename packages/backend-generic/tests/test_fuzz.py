@@ -14,10 +14,12 @@ from pagedprefill.testing.fuzz import (
     ProgressPrinter,
     first_case_of_each_key,
     kernel_variant_key,
+    parse_shard,
     precompile,
     rerun_command,
     run_case,
     run_fuzz,
+    shard_cases,
 )
 from pagedprefill.types import FEATURES
 
@@ -125,6 +127,25 @@ def test_fuzz_reports_every_wrong_case_with_a_rerun_that_repeats_it():
     assert result.summary() == f"fuzz: {n} cases, {len(written)} failures"
     again = run_fuzz(_OffByALittle(), "cpu", seed=3, sizes=sizes, only=[written[-1]])
     assert [f.index for f in again.failures] == [written[-1]] and again.failures[0].spec == result.failures[-1].spec
+
+
+def test_shards_share_a_run_and_report_its_failures_with_its_reproducers():
+    n, shards = 40, 3
+    sizes = FuzzSizes.cpu()
+    whole = run_fuzz(_OffByALittle(), "cpu", cases=n, seed=3, sizes=sizes)
+    parts = [shard_cases(n, parse_shard(f"{k}/{shards}")) for k in range(shards)]
+    assert sorted(i for part in parts for i in part) == list(range(n))
+    results = [run_fuzz(_OffByALittle(), "cpu", cases=n, seed=3, sizes=sizes, only=part) for part in parts]
+    assert sum(r.cases for r in results) == n
+    assert sorted((f.index, f.rerun) for r in results for f in r.failures) == \
+        [(f.index, f.rerun) for f in whole.failures]
+    assert whole.failures
+
+
+@pytest.mark.parametrize("bad", ["4/4", "-1/2", "1", "a/b", "0/0"])
+def test_a_malformed_shard_is_refused_with_what_was_given(bad):
+    with pytest.raises(ValueError, match=f"K/N with 0 <= K < N.*{bad!r}"):
+        parse_shard(bad)
 
 
 def test_progress_lines_come_at_least_every_interval():

@@ -67,6 +67,12 @@ def test_without_a_split_count_that_fills_its_waves_the_best_one_within_the_wave
     assert split_scratch_bytes(odd, splits) <= 4 * MAX_SPLIT_WAVES * H200.num_sms * tile.block_m * (256 + 1)
 
 
+def test_a_launch_of_no_programs_does_not_split():
+    s = shape(0, 0)  # a batch of no sequences: an empty launch, not a division by its zero programs
+    assert math.prod(launch_grid(s, TILE)[:2]) == 0
+    assert key_splits_for(s, TILE, H200) == 1
+
+
 def test_a_device_without_multiprocessor_count_never_splits():
     cpu = DeviceInfo.detect(torch.device("cpu"))
     assert key_splits_for(shape(1, 1), TILE, cpu) == 1

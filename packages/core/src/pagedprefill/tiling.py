@@ -245,7 +245,7 @@ def key_splits_for(shape: ProblemShape, config: TileConfig, device: DeviceInfo) 
     tiles, heads, _ = launch_grid(shape, config.with_(key_splits=1))
     programs = tiles * heads
     sms = max(1, device.num_sms or 0)
-    if programs >= sms:
+    if programs == 0 or programs >= sms:  # nothing to launch, or enough programs to fill the device
         return 1
     best = 1
     for splits in range(1, min(MAX_KEY_SPLITS, MAX_SPLIT_WAVES * sms // programs) + 1):

@@ -1,10 +1,12 @@
-"""Determinism on one GPU: the same inputs give the same bits on every run, and a sequence's output does not
-depend on the other sequences of its batch (the kernel computes each (sequence, tile) on its own: tiles start at
-each sequence's first token, and a row's keys are visited in the same order whatever else is in the batch).
+"""Determinism on one GPU: the same inputs give the same bits on every run, and on one tile a sequence's output
+does not depend on the other sequences of its batch (the kernel computes each (sequence, tile) on its own: tiles
+start at each sequence's first token, and a row's keys are visited in the same order whatever else is in the
+batch, split keys included, whose partial rows are merged in split order).
 
-The tile the policy picks depends on the batch's shape (its workload class: short or long queries); the
-batch-composition test keeps that class fixed and checks the configs are equal, and
-``test_tile_choice_follows_the_batch_shape`` reports what holds when a sequence alone picks another tile.
+The tile the policy picks depends on the batch's shape: its workload class (short or long queries) and, for
+launches too small to fill the GPU, the number of splits of each tile's keys. The batch-composition test runs
+each sequence alone on its batch's tile; ``test_tile_choice_follows_the_batch_shape`` reports what holds when a
+sequence alone gets another tile from the policy.
 """
 
 from __future__ import annotations
@@ -76,6 +78,13 @@ def tile_config(backend: pp.Backend, problem: pp.PrefillProblem):
     return backend.policy(problem_shape(problem), pp.DeviceInfo.detect(problem.device))
 
 
+def run_on_tile(backend: pp.Backend, problem: pp.PrefillProblem, config) -> torch.Tensor:
+    """``problem`` on ``backend`` with the tile ``config``, whatever the policy would pick for its shape."""
+    problem = dataclasses.replace(problem, out=torch.full_like(problem.q, float("nan")))
+    backend.run_tile(problem, config, pp.DeviceInfo.detect(problem.device))
+    return problem.out
+
+
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_same_inputs_give_the_same_bits_every_run(name, gpu, gpu_backend):
     problem = make_problem(SPECS[name], gpu)
@@ -92,16 +101,16 @@ def test_same_inputs_give_the_same_bits_every_run(name, gpu, gpu_backend):
 def test_a_sequence_gets_the_same_bits_alone_and_in_any_batch(name, gpu, gpu_backend):
     problem = make_problem(SPECS[name], gpu)
     full = run(problem)
+    config = tile_config(gpu_backend, problem)
     b = problem.batch
     checked = 0
     for i in range(b.num_seqs):
         alone = sequence_alone(problem, i)
         if alone.num_tokens == 0:
             continue
-        assert tile_config(gpu_backend, alone) == tile_config(gpu_backend, problem), \
-            "this test needs a batch whose sequences alone keep the batch's tile (same workload class)"
         start = int(b.query_start[i])
-        assert torch.equal(run(alone), full[start:start + alone.num_tokens]), f"sequence {i} alone differs"
+        assert torch.equal(run_on_tile(gpu_backend, alone, config), full[start:start + alone.num_tokens]), \
+            f"sequence {i} alone on the batch's tile {config} differs"
         checked += 1
     flipped, old_rows, new_rows = reversed_batch(problem)
     assert tile_config(gpu_backend, flipped) == tile_config(gpu_backend, problem)
@@ -109,23 +118,36 @@ def test_a_sequence_gets_the_same_bits_alone_and_in_any_batch(name, gpu, gpu_bac
     for i in range(b.num_seqs):
         assert torch.equal(out[new_rows[i]], full[old_rows[i]]), f"sequence {i} differs in the reversed batch"
     assert checked >= 3
-    print(f"{gpu_backend.name}/{name}: {checked} sequences bit-identical alone, in the batch and reversed")
+    print(f"{gpu_backend.name}/{name}: {checked} sequences bit-identical alone on the batch's tile ({config}), in "
+          f"the batch and reversed")
 
 
-def test_tile_choice_follows_the_batch_shape(gpu, gpu_backend):
-    """A long prefill alone is a "long" workload; inside a batch of many short queries it is "short", and the
-    policy may pick another tile. Results then agree within tolerance; this test reports whether the bits do."""
-    spec = BatchSpec(query_lens=(700,) + (1,) * 15, context_lens=(300,) + (500,) * 15, num_heads=16,
-                     num_kv_heads=2, head_size=128, block_size=16, dtype=torch.float16, seed=24)
-    problem = make_problem(spec, gpu)
+BATCH_SHAPES = {
+    # A long prefill alone is a "long" workload; among many decode rows the batch is "short".
+    "long_prefill_among_decode_rows": BatchSpec(query_lens=(700,) + (1,) * 15, context_lens=(300,) + (500,) * 15,
+                                                num_heads=16, num_kv_heads=2, head_size=128, block_size=16,
+                                                dtype=torch.float16, seed=24),
+    # 64 decode rows fill an H200 (528 programs); one alone is 8 programs, whose keys sm80's policy splits 15
+    # ways there.
+    "decode_row_alone": BatchSpec(query_lens=(1,) * 64, context_lens=(2000,) * 64, num_heads=32, num_kv_heads=8,
+                                  head_size=128, block_size=16, dtype=torch.bfloat16, seed=25),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BATCH_SHAPES))
+def test_tile_choice_follows_the_batch_shape(name, gpu, gpu_backend):
+    """A sequence alone may get another tile from the policy than inside its batch (another workload class,
+    another split count). Results then agree within tolerance; this test reports whether the bits do."""
+    problem = make_problem(BATCH_SHAPES[name], gpu)
     full = run(problem)
     alone = sequence_alone(problem, 0)
+    rows = alone.num_tokens
     same_tile = tile_config(gpu_backend, alone) == tile_config(gpu_backend, problem)
     got = run(alone)
     atol, rtol = DEFAULT_TOLERANCES[problem.q.dtype]
-    torch.testing.assert_close(got, full[:700], atol=atol, rtol=rtol)
-    identical = torch.equal(got, full[:700])
+    torch.testing.assert_close(got, full[:rows], atol=atol, rtol=rtol)
+    identical = torch.equal(got, full[:rows])
     if same_tile:
         assert identical, "same tile, different bits"
-    print(f"{gpu_backend.name}: long sequence alone: tile {tile_config(gpu_backend, alone)}; in the batch: "
+    print(f"{gpu_backend.name}/{name}: sequence 0 alone: tile {tile_config(gpu_backend, alone)}; in the batch: "
           f"{tile_config(gpu_backend, problem)}; bit-identical: {identical}")

@@ -38,6 +38,14 @@ F > 0). On a GPU the compile keys' kernels are first compiled side by side in ``
 (:func:`precompile`; Triton keeps what they compile in its on-disk cache), so a fresh machine spends seconds,
 not minutes, before the first case.
 
+A run of many cases can be shared among processes on one GPU (each case's reference and checks take host
+time): ``--compile-only`` compiles the keys' kernels once, then each of N processes runs its share of the same
+case stream with ``--shard K/N --compile-workers 0`` (the cases whose index leaves K modulo N), so that a
+failure's reproducer is the one a single run prints::
+
+    python -m pagedprefill.testing.fuzz --engine --cases 5000 --compile-only
+    python -m pagedprefill.testing.fuzz --engine --cases 5000 --shard 0/4 --compile-workers 0   # ... 3/4
+
 Each problem is checked with ``validate_problem(problem, "full")``, run on the backend directly (selection
 bypassed, as :class:`~pagedprefill.testing.ConformanceSuite` does) and compared element by element with the
 reference computed in float32 (:func:`~pagedprefill.testing.assert_matches_reference`).
@@ -656,6 +664,24 @@ def precompile(backend: str, device: Union[str, torch.device], sizes: FuzzSizes,
     return result
 
 
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"K/N"`` as ``(K, N)``: share K of N, ``0 <= K < N``; a malformed value is a ``ValueError`` saying so."""
+    shard, _, count = text.partition("/")
+    try:
+        k, n = int(shard), int(count)
+    except ValueError:
+        k, n = -1, 0
+    if not 0 <= k < n:
+        raise ValueError(f"expected K/N with 0 <= K < N (share K of N processes, e.g. 0/4), got {text!r}")
+    return k, n
+
+
+def shard_cases(cases: int, shard: tuple[int, int]) -> list[int]:
+    """The indices among cases ``0 .. cases - 1`` that share ``(K, N)`` runs: those equal to K modulo N."""
+    k, n = shard
+    return list(range(k, cases, n))
+
+
 class ProgressPrinter:
     """A ``progress`` callback for :func:`run_fuzz`: a line at least every ``every_s`` seconds (and after the
     last case), and each failure's one-line reproducer as soon as it happens. ``write`` prints one line.
@@ -754,7 +780,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--compile-workers", type=int, default=None, metavar="N",
                         help="on a GPU, compile the compile keys' kernels in N processes before the run (default: "
                              "half the CPU cores, at most 8; 0: compile in the run)")
+    parser.add_argument("--shard", default=None, metavar="K/N",
+                        help="run share K of N of the cases (those whose index is K modulo N), for N processes "
+                             "on one GPU")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="compile the compile keys' kernels of the run (on a GPU) and stop, for the shards "
+                             "that follow")
     args = parser.parse_args(argv)
+    shard = None
+    if args.shard is not None:
+        if args.case:
+            parser.error("--shard: a reproducer's --case runs exactly its cases; pass one or the other")
+        try:
+            shard = parse_shard(args.shard)
+        except ValueError as exc:
+            parser.error(f"--shard: {exc}")
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -774,8 +814,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if reasons:
         print(f"fuzz: backend {backend.name!r} cannot run on {device}: {'; '.join(reasons)}", file=sys.stderr)
         return 2
-    total = len(args.case) if args.case else args.cases
-    print(f"fuzz: backend={backend.name} device={device} cases={total} seed={args.seed} sizes={sizes}", flush=True)
+    only = args.case or (shard_cases(args.cases, shard) if shard else None)
+    total = 0 if args.compile_only else len(only) if only is not None else args.cases
+    share = f" shard={args.shard} of cases={args.cases}" if shard else ""
+    print(f"fuzz: backend={backend.name} device={device} cases={total}{share} seed={args.seed} sizes={sizes}",
+          flush=True)
     with ProgressPrinter(total, every_s=args.every) as printer:
         if not args.case and device.type != "cpu":  # a reproducer runs its cases only; the CPU compiles nothing
             workers = default_compile_workers() if args.compile_workers is None else args.compile_workers
@@ -785,7 +828,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             printer.activity = ""
             if warm.keys:
                 print(warm.summary(), flush=True)
-        result = run_fuzz(backend, device, args.cases, args.seed, sizes, progress=printer, only=args.case)
+        if args.compile_only:
+            return 0
+        result = run_fuzz(backend, device, args.cases, args.seed, sizes, progress=printer, only=only)
     for failure in result.failures:
         print(f"FAIL {failure.describe()}", flush=True)
     print(result.details())
