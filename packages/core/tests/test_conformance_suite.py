@@ -81,7 +81,7 @@ def test_only_the_declared_cache_dtype_is_excluded():
         excluded_kv_cache_dtypes = {"fp8_e5m2": "no e5m2"}
 
     skipped = {case for case in CASES if NoE5m2()._skip_reason(case_spec(case), CPU, case)}
-    assert skipped == {"fp8_e5m2", "split_x_2_fp8_e5m2"}
+    assert skipped == {"fp8_e5m2", "split_x_2_fp8_e5m2", "fp8_query_fp8_e5m2_alibi_sinks"}
 
 
 def test_a_misspelt_cache_dtype_is_an_error():

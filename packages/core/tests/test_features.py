@@ -140,14 +140,22 @@ def test_ops_carry_the_options(case):
     out = fresh_output(p).out
     torch.ops.pagedprefill.prefill_attention_(*tensors[:3], out, *tensors[3:], **kwargs)
     rows = written_rows(p)
-    for result in (got, out):
-        assert result.dtype == want.dtype
-        assert torch.equal(result[rows].float(), want[rows].float())
+    want_got = want
+    if got.dtype != want.dtype:
+        # An FP8 q beside an FP8 cache and no new keys: nothing 16-bit tells the functional operator the model's
+        # type, and it computes in bfloat16, which holds every FP8 value.
+        assert p.q.dtype == torch.float8_e4m3fn and p.k is None and p.cache.dtype.is_fp8 and got.dtype == torch.bfloat16
+        want_got = pp.reference_prefill(dataclasses.replace(p, out=torch.empty_like(want, dtype=torch.bfloat16)))
+    for result, expected in ((got, want_got), (out, want)):
+        assert result.dtype == expected.dtype
+        assert torch.equal(result[rows].float(), expected[rows].float())
     assert torch.isnan(out[~rows].float()).all()
     if not rows.all():  # the functional op's new output is zero-filled where rows are skipped
         assert torch.equal(got[~rows].float(), torch.zeros_like(got[~rows].float()))
-    torch.library.opcheck(torch.ops.pagedprefill.prefill_attention.default, tensors, kwargs,
-                          test_utils=("test_schema", "test_faketensor"))
+    # The schema check compares every input before and after with torch.allclose, which PyTorch has no CPU
+    # kernel for on float8_e4m3fn: an FP8 q's call is checked for its fake implementation only.
+    checks = ("test_faketensor",) if p.q.dtype == torch.float8_e4m3fn else ("test_schema", "test_faketensor")
+    torch.library.opcheck(torch.ops.pagedprefill.prefill_attention.default, tensors, kwargs, test_utils=checks)
 
 
 # -- validation ------------------------------------------------------------------------------------------------
@@ -248,13 +256,15 @@ def test_core_kernel_computes_every_feature():
 
 
 def test_every_feature_has_a_description():
-    assert set(FEATURE_DESCRIPTIONS) == FEATURES == {"kv_in_cache", "non_causal", "skip_decode", "fp8_out_scale"}
+    assert set(FEATURE_DESCRIPTIONS) == FEATURES == {"kv_in_cache", "non_causal", "skip_decode", "fp8_out_scale",
+                                                     "fp8_query"}
 
 
 @pytest.mark.parametrize("feature", sorted(FEATURES))
 def test_triton_backends_refuse_each_feature_by_name(feature):
     spec = {"kv_in_cache": SPEC.replace(kv_in_cache=True), "non_causal": SPEC.replace(causal=False),
-            "skip_decode": SPEC.replace(skip_decode=True), "fp8_out_scale": SPEC.replace(fp8_out_scale=0.1)}[feature]
+            "skip_decode": SPEC.replace(skip_decode=True), "fp8_out_scale": SPEC.replace(fp8_out_scale=0.1),
+            "fp8_query": SPEC.replace(fp8_query=True)}[feature]
     p = make_problem(spec)
     assert p.features == {feature}
     cpu = pp.DeviceInfo.detect("cpu")

@@ -98,7 +98,8 @@ def test_the_schemas_are_derived():
 
 
 def test_features_follow_the_description():
-    assert FEATURES == set(FEATURE_DESCRIPTIONS) == {"kv_in_cache", "non_causal", "skip_decode", "fp8_out_scale"}
+    assert FEATURES == set(FEATURE_DESCRIPTIONS) == {"kv_in_cache", "fp8_query", "non_causal", "skip_decode",
+                                                     "fp8_out_scale"}
     assert pp.types.FEATURES is FEATURES
 
 
@@ -107,7 +108,7 @@ SPEC = BatchSpec(query_lens=(3, 1), context_lens=(5, 0), num_heads=4, num_kv_hea
 #: A value other than the default for each option the typed objects hold.
 CHANGED = {"layout": "split", "kv_cache_dtype": "fp8_e5m2", "k_scale": 0.5, "v_scale": torch.tensor([0.25]),
            "sm_scale": 0.3, "sliding_window": 3, "softcap": 4.0, "alibi_slopes": torch.ones(4), "sinks": torch.ones(4),
-           "max_query_len": 7, "causal": False, "skip_decode": True, "fp8_out_scale": 0.1}
+           "max_query_len": 7, "causal": False, "skip_decode": True, "fp8_out_scale": 0.1, "q_scale": 0.5}
 
 
 def test_every_held_option_has_a_changed_value_here():

@@ -73,7 +73,8 @@ def test_a_call_changing_only_qs_dtype_is_validated(counting, dtype):
     api.dispatch(first, backend=backend)
     again = fresh_output(first)
     again = dataclasses.replace(again, q=again.q.to(dtype))
-    with pytest.raises(TypeError, match=r"^q: expected dtype float16 or bfloat16 or float32, got float64$"
+    with pytest.raises(TypeError, match=r"^q: expected dtype float16, bfloat16, float32 or float8_e4m3fn \(an FP8 q, "
+                                        r"with q_scale\), got float64$"
                        if dtype == torch.float64 else r"^out: expected dtype float32 \(the dtype of q\), got float16$"):
         api.dispatch(again, backend=backend)
     assert backend.runs == 1 and calls["validate"] == 2

@@ -76,7 +76,7 @@ def oracle(problem: pp.PrefillProblem) -> torch.Tensor:
     hkv = p.num_kv_heads
     group = H // hkv
     out = torch.full((T, H, D), float("nan"), dtype=torch.float64)
-    q = p.q.double()
+    q = p.q.double() * _scalar(p.options.q_scale)  # an FP8 q holds q / q_scale
     from_cache = p.k is None
     if not from_cache:
         k_new, v_new = p.k.double(), p.v.double()
@@ -151,7 +151,7 @@ def _check(problem: pp.PrefillProblem, label: str) -> None:
     assert bool(torch.isnan(got[~rows].float()).all()), f"{label}: rows skipped by skip_decode were written"
     got, out_rows = got[rows], want[rows]
     assert bool(torch.isfinite(got.float()).all()), f"{label}: non-finite output"
-    atol, rtol = TOLERANCES[problem.q.dtype] if problem.options.fp8_out_scale is None else FP8_OUT_TOLERANCE
+    atol, rtol = TOLERANCES[problem.dtype] if problem.options.fp8_out_scale is None else FP8_OUT_TOLERANCE
     torch.testing.assert_close(got.double(), _as_output(out_rows, problem, problem.out.dtype).double(), atol=atol,
                                rtol=rtol, msg=lambda m: f"{label} (float32): {m}")
 

@@ -28,6 +28,7 @@ FP8 = NHD.replace(kv_cache_dtype="fp8_e4m3", layout="split")
 FP8_NHD = NHD.replace(kv_cache_dtype="fp8_e4m3")
 FP8_D24 = FP8.replace(head_size=24)
 FEATURES = NHD.replace(alibi=True, sinks=True, softcap=5.0, sliding_window=7)
+FP8_QUERY = NHD.replace(fp8_query=True)
 B, T, H, HKV, D, BS, NB, WIDTH = 5, 26, 4, 2, 32, 8, 12, 5
 
 _gen = torch.Generator().manual_seed(1234)
@@ -49,7 +50,8 @@ def drop_in_args(problem: pp.PrefillProblem) -> dict:
                 k_cache=c.key, v_cache=c.value, b_loc=b.block_table, b_start_loc=b.query_start,
                 b_seq_len=b.seq_lens, b_ctx_len=b.context_lens, max_input_len=b.max_query_len,
                 k_scale=c.k_scale, v_scale=c.v_scale, alibi_slopes=o.alibi_slopes,
-                sliding_window=o.sliding_window, sm_scale=o.sm_scale, sinks=o.sinks, softcap=o.softcap)
+                sliding_window=o.sliding_window, sm_scale=o.sm_scale, sinks=o.sinks, softcap=o.softcap,
+                q_scale=o.q_scale)
 
 
 def call_drop_in(a: dict, validate="full"):
@@ -66,8 +68,8 @@ def call_native(a: dict, validate="full"):
                              block_table=a["b_loc"], max_query_len=a["max_input_len"])
     return pp.prefill_attention(a["q"], a["k"], a["v"], cache, batch, sm_scale=a["sm_scale"],
                                 alibi_slopes=a["alibi_slopes"], sliding_window=a["sliding_window"],
-                                softcap=a["softcap"], sinks=a["sinks"], out=a["o"], backend="reference",
-                                validate=validate)
+                                softcap=a["softcap"], sinks=a["sinks"], q_scale=a["q_scale"], out=a["o"],
+                                backend="reference", validate=validate)
 
 
 CALLS = {"drop_in": call_drop_in, "native": call_native}
@@ -126,6 +128,7 @@ def both_caches(make):
 #: A dtype spelled the second way; messages spell dtypes one way, without ``torch.`` (see ``dtype_name``).
 TORCH_DTYPE = re.compile(r"torch\.(u?int|float|bfloat|bool|complex)")
 FLOATS = "float16 or bfloat16 or float32"
+QUERY_DTYPES = "float16, bfloat16, float32 or float8_e4m3fn (an FP8 q, with q_scale)"
 INTS = "int32 or int64"
 
 CASES = [
@@ -146,11 +149,38 @@ CASES = [
     Bad("out_4d", NHD, put("o", lambda a: a["o"][None]), ValueError, "out",
         ("expected a 3-D tensor [tokens, num_heads, head_size]", f"got shape [1, {T}, {H}, {D}]")),
     Bad("q_float64", NHD, puts(**{n: (lambda a, n=n: a[n].double()) for n in ("q", "k", "v", "o")}), TypeError,
-        "q", (f"expected dtype {FLOATS}", "got float64")),
+        "q", (f"expected dtype {QUERY_DTYPES}", "got float64")),
     Bad("q_int", NHD, puts(**{n: (lambda a, n=n: a[n].to(torch.int32)) for n in ("q", "k", "v", "o")}),
-        TypeError, "q", (f"expected dtype {FLOATS}", "got int32")),
+        TypeError, "q", (f"expected dtype {QUERY_DTYPES}", "got int32")),
     Bad("k_dtype", NHD, put("k", lambda a: a["k"].float()), TypeError, "k",
         ("expected dtype float16 (the dtype of q)", "got float32")),
+    # -- an FP8 q: its descale, and the 16-bit type of the call's other tensors ------------------------------
+    Bad("q_fp8_e5m2", NHD, put("q", lambda a: a["q"].to(torch.float8_e5m2)), TypeError, "q",
+        (f"expected dtype {QUERY_DTYPES}", "got float8_e5m2")),
+    Bad("q_scale_without_fp8_q", NHD, put("q_scale", lambda a: 0.5), ValueError, "q_scale",
+        ("descales an FP8 q (dtype float8_e4m3fn) only", "q has dtype float16")),
+    Bad("q_scale_tensor_without_fp8_q", NHD, put("q_scale", lambda a: torch.ones(1)), ValueError, "q_scale",
+        ("descales an FP8 q (dtype float8_e4m3fn) only",)),
+    Bad("q_scale_zero", FP8_QUERY, put("q_scale", lambda a: 0.0), ValueError, "q_scale",
+        ("expected a finite positive scale", "got 0.0")),
+    Bad("q_scale_nan", FP8_QUERY, put("q_scale", lambda a: float("nan")), ValueError, "q_scale",
+        ("expected a finite positive scale", "got nan")),
+    Bad("q_scale_two_elements", FP8_QUERY, put("q_scale", lambda a: torch.ones(2)), ValueError, "q_scale",
+        ("expected a float or a 1-element tensor", "got shape [2]")),
+    Bad("q_scale_int_tensor", FP8_QUERY, put("q_scale", lambda a: torch.ones(1, dtype=torch.int32)), TypeError,
+        "q_scale", (f"expected dtype {FLOATS}", "got int32")),
+    Bad("q_scale_string", FP8_QUERY, put("q_scale", lambda a: "1"), TypeError, "q_scale",
+        ("expected a float or a 1-element tensor", "got str")),
+    Bad("q_fp8_out_float32", FP8_QUERY, put("o", lambda a: a["o"].float()), TypeError, "out",
+        ("expected dtype float16 or bfloat16 (the output of an FP8 q", "got float32")),
+    Bad("q_fp8_k_float32", FP8_QUERY, puts(k=lambda a: a["k"].float(), v=lambda a: a["v"].float()), TypeError,
+        "k", ("expected dtype float16 or bfloat16 (the new tokens' keys and values beside an FP8 q)",
+              "got float32")),
+    Bad("q_fp8_v_bfloat16", FP8_QUERY, put("v", lambda a: a["v"].bfloat16()), TypeError, "v",
+        ("expected dtype float16 (the 16-bit dtype of the call, whose q is FP8)", "got bfloat16")),
+    Bad("q_fp8_cache_bfloat16", FP8_QUERY, both_caches(lambda t: t.bfloat16()), TypeError, "k_cache",
+        ("expected dtype float16 (the 16-bit dtype of the call, whose q is FP8; kv_cache_dtype='auto')",
+         "got bfloat16")),
     Bad("v_dtype", NHD, put("v", lambda a: a["v"].bfloat16()), TypeError, "v",
         ("expected dtype float16 (the dtype of q)", "got bfloat16")),
     Bad("out_dtype", NHD, put("o", lambda a: a["o"].float()), TypeError, "out",
@@ -435,7 +465,9 @@ def test_base_geometry():
 
 
 @pytest.mark.parametrize("spec", [NHD, SPLIT, SPLIT_F32, FP8, FP8_NHD, FP8_D24, FEATURES,
-                                  NHD.replace(start_loc_entries="B")], ids=lambda s: s.describe())
+                                  NHD.replace(start_loc_entries="B"), FP8_QUERY,
+                                  FP8_QUERY.replace(kv_cache_dtype="fp8_e4m3", kv_in_cache=True,
+                                                    scale_as_tensor=True)], ids=lambda s: s.describe())
 @pytest.mark.parametrize("api", sorted(CALLS))
 def test_valid_base_problems_pass(spec, api):
     """Every unbroken base problem passes full validation and gets a finite output, so each failure below

@@ -30,8 +30,8 @@ class Bi100Backend(TritonBackend):
                    "shared memory; no FP8 KV cache")
     runs_in_interpreter = False
     policy = staticmethod(bi100_policy)
-    #: Everything the shared kernel computes but an FP8 output: Triton on these parts has no FP8 types.
-    supported_features = TritonBackend.supported_features - {"fp8_out_scale"}
+    #: Everything the shared kernel computes but an FP8 output or query: Triton on these parts has no FP8 types.
+    supported_features = TritonBackend.supported_features - {"fp8_out_scale", "fp8_query"}
 
     def hardware_reasons(self, device: DeviceInfo) -> list[str]:
         if device.vendor != VENDOR:

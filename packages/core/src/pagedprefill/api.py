@@ -91,6 +91,7 @@ def prefill_attention(
     causal: bool = True,
     skip_decode: bool = False,
     fp8_out_scale: Optional[ScaleLike] = None,
+    q_scale: ScaleLike = 1.0,
     out: Optional[torch.Tensor] = None,
     backend: BackendChoice = None,
     validate: ValidateMode = "basic",
@@ -98,15 +99,18 @@ def prefill_attention(
     """Prefix-prefill attention over a paged KV cache (native API).
 
     Args:
-        q: ``[T, H, D]`` queries of the new tokens of all sequences, packed.
+        q: ``[T, H, D]`` queries of the new tokens of all sequences, packed: float16, bfloat16, float32, or
+            float8_e4m3fn quantised by the caller, whose descale is ``q_scale`` (the ``fp8_query`` feature;
+            the call then computes in its other tensors' 16-bit type, see :attr:`PrefillProblem.dtype`).
         k, v: ``[T, Hkv, D]`` keys/values of the new tokens (``H % Hkv == 0``), or both None when they are
             already in the cache (positions ``context_lens[i] .. seq_lens[i] - 1``) and are read from there.
         cache: the paged cache holding each sequence's first ``context_lens[i]`` tokens.
         batch: per-sequence starts, lengths and block table.
-        sm_scale, alibi_slopes, sliding_window, softcap, sinks, causal, skip_decode, fp8_out_scale: see
-            :class:`AttentionOptions`.
+        sm_scale, alibi_slopes, sliding_window, softcap, sinks, causal, skip_decode, fp8_out_scale, q_scale:
+            see :class:`AttentionOptions`.
         out: optional ``[T, H, D]`` output tensor to write (allocated when None: in ``q``'s dtype, or
-            ``float8_e4m3fn`` with ``fp8_out_scale``; zero-filled with ``skip_decode``).
+            ``float8_e4m3fn`` with ``fp8_out_scale``, or for an FP8 ``q`` in the 16-bit type of ``k`` or of an
+            unquantised cache, else bfloat16; zero-filled with ``skip_decode``).
         backend: a backend name or instance; default chooses by device (see :func:`select_backend`).
         validate: ``"basic"`` (no host sync) or ``"full"`` (also checks metadata values). With ``"basic"``
             the metadata values are not checked by the Triton backends: invalid values (block numbers outside
@@ -122,12 +126,12 @@ def prefill_attention(
         UnsupportedFeatureError: the backend does not run an option used (see :mod:`pagedprefill.features`).
     """
     if out is None and isinstance(q, torch.Tensor):
-        out = _new_output(q, fp8_out_scale, skip_decode)
+        out = _new_output(q, fp8_out_scale, skip_decode, k, getattr(cache, "key", None))
     problem = PrefillProblem(
         q=q, k=k, v=v, out=out, cache=cache, batch=batch,
         options=AttentionOptions(sm_scale=sm_scale, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
                                  softcap=softcap, sinks=sinks, causal=causal, skip_decode=skip_decode,
-                                 fp8_out_scale=fp8_out_scale),
+                                 fp8_out_scale=fp8_out_scale, q_scale=q_scale),
     )
     return _dispatch_or_record(problem, backend, validate)
 
@@ -153,6 +157,7 @@ def context_attention_fwd(
     sm_scale: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
     softcap: float = 0.0,
+    q_scale: ScaleLike = 1.0,
     backend: BackendChoice = None,
     validate: ValidateMode = "basic",
 ) -> torch.Tensor:
@@ -163,7 +168,8 @@ def context_attention_fwd(
     (NHD). ``b_start_loc`` has ``B`` or ``B + 1`` entries. ``max_input_len`` is only a hint (the launch
     never depends on it). ``sliding_window`` of None or <= 0 means no window. ``k_scale``/``v_scale`` may
     be floats or 1-element tensors. Any ``x >= 1`` dividing the head size is accepted in the split K cache.
-    Keyword extras: ``sm_scale`` (default ``1/sqrt(D)``), ``sinks``, ``softcap``, ``backend``, ``validate``
+    Keyword extras: ``sm_scale`` (default ``1/sqrt(D)``), ``sinks``, ``softcap``, ``q_scale`` (the descale of
+    an FP8 ``q``, see :func:`prefill_attention`), ``backend``, ``validate``
     (``"basic"``: invalid metadata values give unspecified rows but no access outside the tensors; ``"full"``:
     a ``ValueError`` naming the argument instead; see :func:`prefill_attention`).
     Compile-safe like :func:`prefill_attention`. The current serving-engine signature (no ``b_ctx_len``,
@@ -172,5 +178,6 @@ def context_attention_fwd(
     problem = PrefillProblem.from_tensors(
         q, k, v, o, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, b_ctx_len, kv_cache_dtype=kv_cache_dtype,
         k_scale=k_scale, v_scale=v_scale, max_query_len=max_input_len, sm_scale=sm_scale,
-        alibi_slopes=alibi_slopes, sliding_window=_drop_in_window(sliding_window), softcap=softcap, sinks=sinks)
+        alibi_slopes=alibi_slopes, sliding_window=_drop_in_window(sliding_window), softcap=softcap, sinks=sinks,
+        q_scale=q_scale)
     return _dispatch_or_record(problem, backend, validate, DROP_IN_NAMES)

@@ -10,13 +10,13 @@ backend's own ``check_problem``.
 from __future__ import annotations
 
 from .errors import UnsupportedFeatureError
-from .options import FEATURES, KV_IN_CACHE, OPTIONS
+from .options import FEATURES, FP8_QUERY, KV_IN_CACHE, OPTIONS
 from .types import PrefillProblem
 
 __all__ = ["FEATURES", "FEATURE_DESCRIPTIONS", "check_features", "check_runnable", "missing_features"]
 
 #: How errors describe each feature (the argument the caller sets to use it), from the options' description.
-FEATURE_DESCRIPTIONS = dict([KV_IN_CACHE, *(o.feature for o in OPTIONS if o.feature)])
+FEATURE_DESCRIPTIONS = dict([KV_IN_CACHE, FP8_QUERY, *(o.feature for o in OPTIONS if o.feature)])
 
 
 def missing_features(backend, problem: PrefillProblem) -> frozenset:

@@ -214,7 +214,7 @@ def _check_fake(problem: PrefillProblem, arguments: dict) -> None:
 def _prefill_attention(*args, **kwargs) -> torch.Tensor:
     """Prefix-prefill attention over a paged KV cache; returns a new ``[T, H, D]`` tensor (see the module)."""
     a = _bound(FUNCTIONAL_SIGNATURE, args, kwargs)
-    out = _new_output(a["q"], _typed(_FP8_OUT, a), a["skip_decode"])
+    out = _new_output(a["q"], _typed(_FP8_OUT, a), a["skip_decode"], a["k"], a["k_cache"])
     _dispatch_call(_problem(dict(a, out=out)), a)
     return out
 
@@ -227,9 +227,8 @@ prefill_attention = torch.library.custom_op(f"{LIBRARY_NAMESPACE}::prefill_atten
 @prefill_attention.register_fake
 def _prefill_attention_fake(*args, **kwargs):
     a = _bound(FUNCTIONAL_SIGNATURE, args, kwargs)
-    fp8_out = _typed(_FP8_OUT, a) is not None
     q = a["q"]
-    out = torch.empty_like(q, dtype=torch.float8_e4m3fn if fp8_out else q.dtype)
+    out = _new_output(q, _typed(_FP8_OUT, a), False, a["k"], a["k_cache"])  # a fake tensor holds no values
     _check_fake(_problem(dict(a, out=out)), a)
     return out
 

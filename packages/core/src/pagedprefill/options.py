@@ -41,8 +41,10 @@ APIS = ("native", "drop_in", "vllm")
 #: use); or the tensor form of another option in the operators (``tensor``: see :attr:`Option.tensor_of`).
 HOLDERS = ("cache", "batch", "options", "call", "tensor")
 
-#: The optional feature that is not an option: ``k = v = None`` (the new tokens' keys/values in the cache).
+#: The optional features that are not options: ``k = v = None`` (the new tokens' keys/values in the cache),
+#: and an FP8 ``q`` (quantised by the caller, its descale passed as ``q_scale``).
 KV_IN_CACHE = ("kv_in_cache", "k = v = None (new tokens' keys/values read from the paged cache)")
+FP8_QUERY = ("fp8_query", "fp8_query: q of dtype float8_e4m3fn (with q_scale)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,15 +149,18 @@ OPTIONS: tuple[Option, ...] = (
     _option("fp8_out_scale_tensor", "tensor", torch.Tensor, None, tensor_of="fp8_out_scale", apis=()),
     _option("validate", "call", str, "basic", "basic"),
     _option("argument_names", "call", str, "native", "native", apis=()),
+    _option("q_scale", "options", float, 1.0, 1.0, check="q_scale"),
+    _option("q_scale_tensor", "tensor", torch.Tensor, None, tensor_of="q_scale", apis=()),
 )
 
 #: The options by name.
 BY_NAME: Mapping[str, Option] = MappingProxyType({o.name: o for o in OPTIONS})
 
 #: Names of the optional features a backend may or may not run (see ``PrefillProblem.features``):
-#: ``kv_in_cache`` (``k``/``v`` are None: the new tokens' keys/values are read from the paged cache) and the
-#: feature of each option that has one (``non_causal``, ``skip_decode``, ``fp8_out_scale``).
-FEATURES = frozenset({KV_IN_CACHE[0], *(o.feature[0] for o in OPTIONS if o.feature)})
+#: ``kv_in_cache`` (``k``/``v`` are None: the new tokens' keys/values are read from the paged cache),
+#: ``fp8_query`` (an FP8 ``q``) and the feature of each option that has one (``non_causal``, ``skip_decode``,
+#: ``fp8_out_scale``).
+FEATURES = frozenset({KV_IN_CACHE[0], FP8_QUERY[0], *(o.feature[0] for o in OPTIONS if o.feature)})
 
 
 def held_by(holder: str) -> tuple[Option, ...]:

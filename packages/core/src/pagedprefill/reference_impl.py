@@ -46,6 +46,9 @@ def reference_prefill(problem: PrefillProblem, compute_dtype: torch.dtype = torc
     slopes = opts.alibi_slopes.to(compute_dtype) if opts.alibi_slopes is not None else None
     sinks = opts.sinks.to(compute_dtype) if opts.sinks is not None else None
     window = opts.sliding_window
+    # An FP8 q holds q / q_scale: its queries are the descaled values.
+    q_scale = opts.q_scale.reshape(()).to(compute_dtype) if isinstance(opts.q_scale, torch.Tensor) else \
+        float(opts.q_scale)
     for i, (seq_len, ctx) in enumerate(zip(seq_lens, ctx_lens)):
         n = seq_len - ctx
         if n <= 0 or (opts.skip_decode and n == 1):
@@ -63,7 +66,7 @@ def reference_prefill(problem: PrefillProblem, compute_dtype: torch.dtype = torc
         chunk = max(1, MAX_SCORE_ELEMENTS // max(1, H * seq_len))
         for q0 in range(0, n, chunk):
             q1 = min(n, q0 + chunk)
-            query = p.q[s0 + q0:s0 + q1].to(compute_dtype)
+            query = p.q[s0 + q0:s0 + q1].to(compute_dtype) * q_scale
             query_pos = ctx + torch.arange(q0, q1, device=p.device)
             out = _attend(query, keys, values, query_pos, key_pos, p.sm_scale, opts.softcap, slopes, sinks,
                           window, opts.causal)

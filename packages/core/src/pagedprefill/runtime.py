@@ -19,7 +19,7 @@ from .device import DeviceInfo, DeviceLike, install_detection
 from .features import check_runnable
 from .placement import require_device
 from .registry import Backend, Registry
-from .types import PrefillProblem
+from .types import FP8_QUERY_DTYPES, PrefillProblem
 from .validation import NATIVE_NAMES, ArgumentNames, ValidateMode, validate_problem, validate_values
 
 __all__ = ["BackendChoice", "available_backends", "dispatch", "get_registry", "reset_registry", "select_backend"]
@@ -111,9 +111,16 @@ def dispatch(problem: PrefillProblem, backend: BackendChoice = None, validate: V
     return problem.out
 
 
-def _new_output(q: torch.Tensor, fp8_out_scale, skip_decode: bool) -> torch.Tensor:
-    """The output tensor allocated when the caller passes none (zeros where rows may stay unwritten)."""
-    dtype = torch.float8_e4m3fn if fp8_out_scale is not None else q.dtype
+def _new_output(q: torch.Tensor, fp8_out_scale, skip_decode: bool, k=None, k_cache=None) -> torch.Tensor:
+    """The output tensor allocated when the caller passes none (zeros where rows may stay unwritten): in
+    ``q``'s dtype, FP8 with ``fp8_out_scale``, and for an FP8 ``q`` in the 16-bit type of ``k`` or of an
+    unquantised ``k_cache`` (bfloat16 when neither is 16-bit)."""
+    dtype = q.dtype
+    if fp8_out_scale is not None:
+        dtype = torch.float8_e4m3fn
+    elif q.dtype in FP8_QUERY_DTYPES:
+        dtype = next((t.dtype for t in (k, k_cache) if isinstance(t, torch.Tensor)
+                      and t.dtype in (torch.float16, torch.bfloat16)), torch.bfloat16)
     if skip_decode:
         return torch.zeros(q.shape, dtype=dtype, device=q.device)
     return torch.empty(q.shape, dtype=dtype, device=q.device)

@@ -289,7 +289,7 @@ def problem_shape(problem: PrefillProblem) -> ProblemShape:
         head_size=problem.head_size,
         num_heads=problem.num_heads,
         num_kv_heads=problem.num_kv_heads,
-        dtype=problem.q.dtype,
+        dtype=problem.dtype,
         kv_cache_dtype=problem.cache.dtype,
         block_size=problem.cache.block_size,
         num_tokens=problem.num_tokens,

@@ -14,13 +14,16 @@ from typing import Optional, Union
 import torch
 
 from .lengths import MAX_LENGTH, check_block_table, host_lengths
-from .options import FEATURES, KV_IN_CACHE, held_by
+from .options import FEATURES, FP8_QUERY, KV_IN_CACHE, held_by
 from .placement import require_device
 
 __all__ = ["FEATURES", "AttentionOptions", "BatchMetadata", "KVCacheDType", "KVLayout", "PagedKVCache",
            "PrefillProblem", "ScaleLike"]
 
 ScaleLike = Union[float, torch.Tensor]
+
+#: Query dtypes of the FP8 query path (``fp8_query``): the caller quantised ``q`` and passes its ``q_scale``.
+FP8_QUERY_DTYPES = (torch.float8_e4m3fn,)
 
 #: ``(name, attribute, default)`` of the options the cache, the batch and the attention options hold, for
 #: PrefillProblem.from_tensors (read once: every call of the public functions builds a problem).
@@ -235,6 +238,8 @@ class AttentionOptions:
         fp8_out_scale: ``None``, or a positive float / 1-element float tensor: the output is written as
             FP8 e4m3 ``clamp(attention / fp8_out_scale, -max, max)`` into an ``out`` of dtype
             ``torch.float8_e4m3fn`` (or ``float8_e4m3fnuz``).
+        q_scale: the descale of an FP8 ``q`` (dtype ``torch.float8_e4m3fn``): a positive float or 1-element
+            float tensor; the queries are ``q * q_scale``. Only with an FP8 ``q`` (1.0 otherwise).
     """
 
     sm_scale: Optional[float] = None
@@ -245,6 +250,7 @@ class AttentionOptions:
     causal: bool = True
     skip_decode: bool = False
     fp8_out_scale: Optional[ScaleLike] = None
+    q_scale: ScaleLike = 1.0
 
     def __post_init__(self) -> None:
         w = self.sliding_window
@@ -326,7 +332,21 @@ class PrefillProblem:
                                                                                   o.default)}
         if self.k is None or self.v is None:
             used.add(KV_IN_CACHE[0])
+        if self.q.dtype in FP8_QUERY_DTYPES:
+            used.add(FP8_QUERY[0])
         return frozenset(used)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The type the call computes in and its 16-bit (or float32) tensors hold: ``q``'s, or for an FP8 ``q``
+        the first 16-bit type among ``out``, ``k`` and an unquantised cache, else bfloat16 (FP8 queries, keys,
+        values and output alike: every FP8 value is exactly a bfloat16 one)."""
+        if self.q.dtype not in FP8_QUERY_DTYPES:
+            return self.q.dtype
+        for t in (self.out, self.k, self.cache.key if not self.cache.dtype.is_fp8 else None):
+            if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16, torch.float32):
+                return t.dtype
+        return torch.bfloat16
 
     @property
     def num_kv_heads(self) -> int:

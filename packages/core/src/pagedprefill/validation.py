@@ -22,7 +22,7 @@ from typing import Literal, Optional
 import torch
 
 from .options import held_by
-from .types import KVLayout, PagedKVCache, PrefillProblem
+from .types import FP8_QUERY_DTYPES, KVLayout, PagedKVCache, PrefillProblem
 
 ValidateMode = Literal["basic", "full"]
 
@@ -30,6 +30,8 @@ MAX_HEAD_SIZE = 256
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: Output dtypes accepted with ``fp8_out_scale``.
 FP8_OUT_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+#: The 16-bit types a call with an FP8 ``q`` computes in (its output, new keys and values, unquantised cache).
+FP8_QUERY_MODEL_DTYPES = (torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -161,10 +163,17 @@ def _validate_tensors(p: PrefillProblem, out_name: str) -> None:
     q, k, v, out = p.q, p.k, p.v, p.out
     _expect_ndim("q", q, 3, "[tokens, num_heads, head_size]")
     _expect_ndim(out_name, out, 3, "[tokens, num_heads, head_size]")
-    _expect_dtype("q", q, FLOAT_DTYPES)
+    fp8_query = q.dtype in FP8_QUERY_DTYPES
+    _expect_dtype("q", q, FLOAT_DTYPES + FP8_QUERY_DTYPES,
+                  "float16, bfloat16, float32 or float8_e4m3fn (an FP8 q, with q_scale)")
+    # The type the call computes in: q's, or for an FP8 q the one its other tensors hold (16-bit).
+    model, of = (p.dtype, "the 16-bit dtype of the call, whose q is FP8") if fp8_query else (q.dtype, "the dtype of q")
     if p.options.fp8_out_scale is not None:
         _expect_dtype(out_name, out, FP8_OUT_DTYPES, "float8_e4m3fn or float8_e4m3fnuz (FP8 output, fp8_out_scale "
                                                      "is set)")
+    elif fp8_query:
+        _expect_dtype(out_name, out, FP8_QUERY_MODEL_DTYPES,
+                      "float16 or bfloat16 (the output of an FP8 q; an FP8 output needs fp8_out_scale)")
     elif out.dtype != q.dtype:
         raise TypeError(
             f"{out_name}: expected dtype {dtype_name(q.dtype)} (the dtype of q), got {dtype_name(out.dtype)}")
@@ -184,8 +193,11 @@ def _validate_tensors(p: PrefillProblem, out_name: str) -> None:
     _expect_ndim("k", k, 3, "[tokens, num_kv_heads, head_size]")
     _expect_ndim("v", v, 3, "[tokens, num_kv_heads, head_size]")
     for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name}: expected dtype {dtype_name(q.dtype)} (the dtype of q), got {dtype_name(t.dtype)}")
+        if fp8_query:
+            _expect_dtype(name, t, FP8_QUERY_MODEL_DTYPES, "float16 or bfloat16 (the new tokens' keys and values "
+                                                           "beside an FP8 q)")
+        if t.dtype != model:
+            raise TypeError(f"{name}: expected dtype {dtype_name(model)} ({of}), got {dtype_name(t.dtype)}")
         _expect_device(name, t, q.device)
     for name, t in (("k", k), ("v", v)):
         if t.shape[0] != T or t.shape[2] != D:
@@ -220,12 +232,19 @@ def _validate_cache(p: PrefillProblem) -> None:
         _expect_dtype("k_cache", kc, allowed,
                       f"uint8 (or {dtype_name(c.dtype.torch_dtype)}) for kv_cache_dtype={c.dtype.value!r}")
     else:
+        model = p.dtype
         if kc.dtype in (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2):
             raise TypeError(
                 f"k_cache: dtype {dtype_name(kc.dtype)} holds FP8 bytes, but kv_cache_dtype='auto' expects the model "
-                f"dtype {dtype_name(p.q.dtype)}; pass kv_cache_dtype='fp8_e4m3' or 'fp8_e5m2' with k_scale/v_scale"
+                f"dtype {dtype_name(model)}; pass kv_cache_dtype='fp8_e4m3' or 'fp8_e5m2' with k_scale/v_scale"
             )
-        _expect_dtype("k_cache", kc, (p.q.dtype,), f"{dtype_name(p.q.dtype)} (the dtype of q, kv_cache_dtype='auto')")
+        if p.q.dtype in FP8_QUERY_DTYPES:
+            _expect_dtype("k_cache", kc, FP8_QUERY_MODEL_DTYPES,
+                          "float16 or bfloat16 (an unquantised cache, kv_cache_dtype='auto', beside an FP8 q)")
+            _expect_dtype("k_cache", kc, (model,), f"{dtype_name(model)} (the 16-bit dtype of the call, whose q is "
+                                                   f"FP8; kv_cache_dtype='auto')")
+        else:
+            _expect_dtype("k_cache", kc, (model,), f"{dtype_name(model)} (the dtype of q, kv_cache_dtype='auto')")
     if vc.dtype != kc.dtype:
         raise TypeError(
             f"v_cache: expected dtype {dtype_name(kc.dtype)} (the dtype of k_cache), got {dtype_name(vc.dtype)}")
@@ -258,16 +277,7 @@ def _validate_cache(p: PrefillProblem) -> None:
             f"k_cache: expected num_kv_heads dividing num_heads={p.num_heads} (GQA/MQA), got num_kv_heads={Hkv}"
         )
     for name in ("k_scale", "v_scale") if c.dtype.is_fp8 else ():
-        s = getattr(c, name)
-        if isinstance(s, torch.Tensor):
-            if s.numel() != 1:
-                raise ValueError(f"{name}: expected a float or a 1-element tensor, got shape {_shape(s)}")
-            _expect_dtype(name, s, FLOAT_DTYPES)
-            _expect_device(name, s, p.q.device)
-        elif not isinstance(s, (int, float)):
-            raise TypeError(f"{name}: expected a float or a 1-element tensor, got {type(s).__name__}")
-        elif not math.isfinite(s) or s <= 0:
-            raise ValueError(f"{name}: expected a finite positive scale, got {s}")
+        _expect_scale(name, getattr(c, name), p)
 
 
 def _validate_batch(p: PrefillProblem, names: ArgumentNames) -> None:
@@ -340,23 +350,39 @@ def _check_flag(name: str, value, p: PrefillProblem) -> None:
         raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
 
 
-def _check_out_scale(name: str, s, p: PrefillProblem) -> None:
-    """None, a finite positive float, or a 1-element float tensor on ``q``'s device (``fp8_out_scale``)."""
+def _expect_scale(name: str, s, p: PrefillProblem, expected: str = "a float or a 1-element tensor") -> None:
+    """A scale: a finite positive float, or a 1-element float tensor on ``q``'s device (read there)."""
     if isinstance(s, torch.Tensor):
         if s.numel() != 1:
-            raise ValueError(f"{name}: expected None, a float or a 1-element tensor, got shape {_shape(s)}")
+            raise ValueError(f"{name}: expected {expected}, got shape {_shape(s)}")
         _expect_dtype(name, s, FLOAT_DTYPES)
         _expect_device(name, s, p.q.device)
-    elif s is not None:
-        if not isinstance(s, (int, float)) or isinstance(s, bool):
-            raise TypeError(f"{name}: expected None, a float or a 1-element tensor, got {type(s).__name__}")
-        if not math.isfinite(s) or s <= 0:
-            raise ValueError(f"{name}: expected a finite positive scale, got {s}")
+    elif not isinstance(s, (int, float)) or isinstance(s, bool):
+        raise TypeError(f"{name}: expected {expected}, got {type(s).__name__}")
+    elif not math.isfinite(s) or s <= 0:
+        raise ValueError(f"{name}: expected a finite positive scale, got {s}")
+
+
+def _check_out_scale(name: str, s, p: PrefillProblem) -> None:
+    """None, or a scale (``fp8_out_scale``)."""
+    if s is not None:
+        _expect_scale(name, s, p, "None, a float or a 1-element tensor")
+
+
+def _check_q_scale(name: str, s, p: PrefillProblem) -> None:
+    """An FP8 ``q``'s descale: a finite positive float or a 1-element float tensor on ``q``'s device; with
+    another ``q``, 1.0 (nothing to descale)."""
+    if p.q.dtype not in FP8_QUERY_DTYPES:
+        if isinstance(s, torch.Tensor) or s != 1.0:
+            raise ValueError(f"{name}: descales an FP8 q (dtype float8_e4m3fn) only; q has dtype "
+                             f"{dtype_name(p.q.dtype)}, so pass no {name} (or 1.0)")
+        return
+    _expect_scale(name, s, p)
 
 
 #: The checks an attention option's description may name (:attr:`pagedprefill.options.Option.check`).
 _OPTION_CHECKS = {"scale": _check_scale, "per_head": _check_per_head, "window": _check_window, "cap": _check_cap,
-                  "flag": _check_flag, "out_scale": _check_out_scale}
+                  "flag": _check_flag, "out_scale": _check_out_scale, "q_scale": _check_q_scale}
 
 
 def validate_values(p: PrefillProblem, names: ArgumentNames = NATIVE_NAMES) -> None:

@@ -106,6 +106,7 @@ def context_attention_fwd(
     causal: bool = True,
     *,
     softcap: float = 0.0,
+    q_scale: ScaleLike = 1.0,
     backend: BackendChoice = None,
     validate: ValidateMode = "basic",
 ) -> None:
@@ -114,7 +115,9 @@ def context_attention_fwd(
     Arguments are those of vLLM (see the module docstring for the semantics of each); ``k_cache`` may be the
     split layout ``[blocks, Hkv, D // x, block_size, x]`` with any ``x`` dividing ``D`` (with 4-D
     ``v_cache`` ``[blocks, Hkv, D, block_size]``) or NHD ``[blocks, block_size, Hkv, D]`` for both.
-    Keyword-only extras: ``softcap``, ``backend``, ``validate`` (as in :func:`pagedprefill.prefill_attention`:
+    Keyword-only extras: ``softcap``; ``q_scale``, the descale of a ``q`` the engine quantised to
+    ``float8_e4m3fn`` with its layer's query scale; ``backend``, ``validate`` (as in
+    :func:`pagedprefill.prefill_attention`:
     with the default ``"basic"`` invalid metadata values give unspecified rows of ``o`` but no access outside
     the tensors; ``"full"`` raises a ``ValueError`` naming the argument instead).
 
@@ -136,6 +139,6 @@ def context_attention_fwd(
         kv_cache_dtype=_cache_dtype(kv_cache_dtype, k_cache), k_scale=k_scale, v_scale=v_scale,
         max_query_len=max_input_len, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
         sliding_window=_drop_in_window(sliding_window), softcap=softcap, sinks=sinks, causal=causal,
-        skip_decode=skip_decode, fp8_out_scale=fp8_out_scale)
+        skip_decode=skip_decode, fp8_out_scale=fp8_out_scale, q_scale=q_scale)
     _dispatch_or_record(problem, backend, validate, VLLM_NAMES)
     return None

@@ -52,6 +52,9 @@ class BatchSpec:
     kv_in_cache: bool = False
     #: junk block-table columns past the widest sequence's blocks (engines pad their tables)
     extra_columns: int = 0
+    #: q quantised to FP8 e4m3 with a per-tensor ``q_scale`` (a tensor with ``scale_as_tensor``); ``dtype`` is
+    #: then the type of the output and the new tokens' keys and values
+    fp8_query: bool = False
 
     def replace(self, **changes) -> BatchSpec:
         return dataclasses.replace(self, **changes)
@@ -64,7 +67,7 @@ class BatchSpec:
             parts.append(self.kv_cache_dtype)
         if self.x is not None:
             parts.append(f"x={self.x}")
-        for flag in ("alibi", "sinks", "scale_as_tensor", "skip_decode", "kv_in_cache"):
+        for flag in ("alibi", "sinks", "scale_as_tensor", "skip_decode", "kv_in_cache", "fp8_query"):
             if getattr(self, flag):
                 parts.append(flag)
         if not self.causal:
@@ -132,6 +135,12 @@ def make_problem(spec: BatchSpec, device="cpu") -> PrefillProblem:
     if spec.kv_in_cache:  # write the new tokens where the table puts positions ctx .. ctx + q - 1, then drop k/v
         write_to_cache(cache, k, v, new_token_slots(qlens, clens, table, bs).to(device))
         k = v = None
+    q_scale = 1.0
+    if spec.fp8_query:  # as an engine quantises its queries: q / q_scale in e4m3, the descale passed beside it
+        q_scale = fp8_scale_for(q, KVCacheDType.FP8_E4M3)
+        q = quantize_fp8(q, q_scale, KVCacheDType.FP8_E4M3).view(torch.float8_e4m3fn)
+        if spec.scale_as_tensor:
+            q_scale = torch.tensor([q_scale], dtype=torch.float32, device=device)
     out_dtype = torch.float8_e4m3fn if spec.fp8_out_scale is not None else spec.dtype
     out = torch.full(q.shape, float("nan"), dtype=out_dtype, device=device)
     options = AttentionOptions(
@@ -143,6 +152,7 @@ def make_problem(spec: BatchSpec, device="cpu") -> PrefillProblem:
         causal=spec.causal,
         skip_decode=spec.skip_decode,
         fp8_out_scale=spec.fp8_out_scale,
+        q_scale=q_scale,
     )
     return PrefillProblem(q=q, k=k, v=v, out=out, cache=cache, batch=batch, options=options)
 

@@ -9,7 +9,7 @@ from ..device import DeviceInfo, interpreter_enabled, interpreter_unready, trito
 from ..registry import Backend, UnsupportedFeatureError
 from ..tiling import ProblemShape, TileConfig, problem_shape  # problem_shape: still importable from here
 from ..tuning import tables_state
-from ..types import FEATURES, PrefillProblem
+from ..types import FEATURES, FP8_QUERY_DTYPES, PrefillProblem
 from ..validation import dtype_name
 
 
@@ -92,8 +92,15 @@ class TritonBackend(Backend):
         return compile_for_target(problem, config, capability)
 
     def check_problem(self, problem: PrefillProblem, device: DeviceInfo) -> None:
-        """Refuse a problem whose smallest tile cannot fit the device's shared memory (the optional features
-        outside :attr:`supported_features` are refused before, by :func:`pagedprefill.features.check_runnable`)."""
+        """Refuse a problem whose smallest tile cannot fit the device's shared memory, or an FP8 q on an NVIDIA
+        GPU before sm89 (the optional features outside :attr:`supported_features` are refused before, by
+        :func:`pagedprefill.features.check_runnable`)."""
+        if problem.q.dtype in FP8_QUERY_DTYPES and device.vendor == "nvidia" and (0, 0) < device.capability < (8, 9):
+            cap = f"{device.capability[0]}.{device.capability[1]}"
+            raise UnsupportedFeatureError(
+                f"q: dtype float8_e4m3fn needs an NVIDIA GPU of compute capability 8.9 or later (Triton has no e4m3 "
+                f"type before it), but {device.name} is {cap}; pass q in the 16-bit type, or use "
+                f"backend='reference'")
         if device.type == "cpu" or not device.max_shared_mem:
             return
         shape = problem_shape(problem)

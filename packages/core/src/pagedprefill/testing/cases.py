@@ -90,12 +90,22 @@ CASES: dict[str, dict] = {
     "vllm_options": {"kv_in_cache": True, "causal": False, "skip_decode": True, "fp8_out_scale": 0.05,
                      "sinks": True, "sliding_window": 9, "layout": "split",
                      "query_lens": (1, 6, 1, 13, 0), "context_lens": (20, 9, 0, 3, 5)},
+    # an FP8 q (fp8_query): e4m3 with a per-tensor descale, beside 16-bit and FP8 caches, new keys in the cache
+    "fp8_query": {"fp8_query": True},
+    "fp8_query_bfloat16": {"fp8_query": True, "dtype": torch.bfloat16},
+    "fp8_query_split_fp8_e4m3": {"fp8_query": True, "layout": "split", "kv_cache_dtype": "fp8_e4m3"},
+    "fp8_query_fp8_e5m2_alibi_sinks": {"fp8_query": True, "kv_cache_dtype": "fp8_e5m2", "alibi": True,
+                                       "sinks": True, "softcap": 5.0},
+    "fp8_query_tensor_scales_kv_in_cache": {"fp8_query": True, "kv_in_cache": True, "kv_cache_dtype": "fp8_e4m3",
+                                            "scale_as_tensor": True, "sliding_window": 9},
+    "fp8_query_fp8_out": {"fp8_query": True, "kv_in_cache": True, "fp8_out_scale": 0.03},
 }
 
 #: case name -> the optional features (:data:`pagedprefill.types.FEATURES`) it needs.
 FEATURE_CASES: dict[str, frozenset] = {
     name: frozenset(f for f, on in (("skip_decode", c.get("skip_decode")), ("fp8_out_scale", "fp8_out_scale" in c),
-                                    ("non_causal", c.get("causal") is False), ("kv_in_cache", c.get("kv_in_cache")))
+                                    ("non_causal", c.get("causal") is False), ("kv_in_cache", c.get("kv_in_cache")),
+                                    ("fp8_query", c.get("fp8_query")))
                     if on)
     for name, c in CASES.items()
 }
@@ -150,6 +160,7 @@ SPLIT_KEY_CASES: dict[str, dict] = {
     "skip_decode_fp8_out": {"skip_decode": True, "fp8_out_scale": 0.03},
     "non_causal_softcap": {"causal": False, "softcap": 6.0},
     "kv_in_cache_fp8_e5m2": {"kv_in_cache": True, "kv_cache_dtype": "fp8_e5m2"},
+    "fp8_query_kv_in_cache": {"fp8_query": True, "kv_in_cache": True, "kv_cache_dtype": "fp8_e4m3"},
 }
 
 

@@ -222,7 +222,7 @@ def kernel_variant_key(spec: BatchSpec) -> Optional[tuple]:
     return (spec.num_heads, spec.num_kv_heads, spec.head_size, bs, str(spec.dtype), spec.kv_cache_dtype,
             spec.layout, spec.x if spec.layout == "split" else None, spec.alibi, spec.softcap > 0, spec.sinks,
             spec.kv_cache_dtype != "auto" and spec.scale_as_tensor, spec.causal, spec.skip_decode,
-            spec.fp8_out_scale is not None, spec.kv_in_cache,
+            spec.fp8_out_scale is not None, spec.kv_in_cache, spec.fp8_query,
             int_state(window) if window else None, int_state(B), int_state(T), int_state(num_blocks),
             int_state(width), workload)
 
@@ -329,6 +329,9 @@ class FuzzGenerator:
         seqs = "1" if tokens == "1" and rng.random() < 0.5 else rng.choice(["1", "n", "n"])
         # A one-column table needs every sequence inside one block: not with k = v = None (new tokens are cached).
         width = "1" if not fields["kv_in_cache"] and rng.random() < 0.2 else "n"
+        # Drawn only for a backend that runs it, so that the streams of the others stay as they were.
+        if "fp8_query" in features and fields["dtype"] in (torch.float16, torch.bfloat16):
+            fields["fp8_query"] = rng.random() < 0.15
         return CompileKey(spec=BatchSpec(**fields), window=rng.random() < 0.4, seqs_state=seqs, tokens_state=tokens,
                           blocks_state=rng.choice(["16", "n", "n"]), width_state=width,
                           window_state=rng.choice(["1", "16", "n", "n"]), workload="long" if long else "short")

@@ -22,10 +22,10 @@ def sdpa_float64(problem: PrefillProblem) -> torch.Tensor:
     ``torch.nn.functional.scaled_dot_product_attention``; rows of tokens outside every sequence, and of
     sequences that ``skip_decode`` skips, are zeros.
 
-    Covers GQA/MQA, ``sm_scale``, ALiBi, sliding windows, ``causal=False`` and ``k = v = None`` (new tokens'
-    keys/values read from the cache). With ``fp8_out_scale`` the values are those before the FP8 output
-    rounding. Logit soft-capping and sinks have no counterpart in ``scaled_dot_product_attention``, so a
-    problem using them raises ``ValueError``.
+    Covers GQA/MQA, ``sm_scale``, ALiBi, sliding windows, ``causal=False``, ``k = v = None`` (new tokens'
+    keys/values read from the cache) and an FP8 ``q`` with its ``q_scale``. With ``fp8_out_scale`` the values
+    are those before the FP8 output rounding. Logit soft-capping and sinks have no counterpart in
+    ``scaled_dot_product_attention``, so a problem using them raises ``ValueError``.
     """
     p, opts = problem, problem.options
     if opts.softcap or opts.sinks is not None:
@@ -55,10 +55,12 @@ def _sequence(p: PrefillProblem, i: int, ctx: int, start: int, n: int) -> torch.
     keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)
     values = values.repeat_interleave(group, dim=1).transpose(0, 1)
     chunk = max(1, MAX_MASK_ELEMENTS // max(1, p.num_heads * seq_len))
+    scale = p.options.q_scale  # an FP8 q holds q / q_scale (1.0 for any other q)
+    q_scale = float(scale.reshape(())) if isinstance(scale, torch.Tensor) else float(scale)
     parts = []
     for q0 in range(0, n, chunk):
         q1 = min(n, q0 + chunk)
-        query = p.q[start + q0:start + q1].double().transpose(0, 1)  # [H, rows, D]
+        query = p.q[start + q0:start + q1].double().transpose(0, 1) * q_scale  # [H, rows, D]
         mask = _additive_mask(p, ctx + q0, ctx + q1, seq_len)
         parts.append(F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=p.sm_scale))
     return torch.cat(parts, dim=1).transpose(0, 1)

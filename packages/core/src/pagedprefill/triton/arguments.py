@@ -61,11 +61,13 @@ class PerHead(NamedTuple):
 
 
 class ScaleTensors(NamedTuple):
-    """Scales given as tensors, read on the device (placeholders for scales given as numbers or unused)."""
+    """Scales given as tensors, read on the device (placeholders for scales given as numbers or unused): the FP8
+    cache's, the FP8 output's, and an FP8 query's descale."""
 
     k: Any
     v: Any
     out: Any
+    q: Any
 
 
 class Partials(NamedTuple):
@@ -80,7 +82,7 @@ class Partials(NamedTuple):
 
 class Scales(NamedTuple):
     """Softmax scale, FP8 cache scales and FP8 output scale as numbers (1.0 where :class:`ScaleTensors` holds
-    the scale, or where it is unused)."""
+    the scale, or where it is unused). An FP8 query's descale given as a number is folded into ``softmax``."""
 
     softmax: float
     k: float
@@ -200,6 +202,9 @@ class Features(NamedTuple):
     SKIP_DECODE: bool
     NEW_KV_IN_CACHE: bool
     OUT_SCALE: bool
+    #: The 16-bit type an FP8 q is widened to as it is loaded (``"float16"`` or ``"bfloat16"``: exactly, its
+    #: descale folded into the logits' scale), or ``""``: q is in the type the call computes in.
+    QUERY_WIDENED_TO: str = ""
 
 
 class ScaleFromTensor(NamedTuple):
@@ -208,3 +213,4 @@ class ScaleFromTensor(NamedTuple):
     K: bool
     V: bool
     OUT: bool
+    Q: bool = False

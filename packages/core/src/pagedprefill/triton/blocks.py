@@ -29,6 +29,18 @@ def scalar_or_load(value, ptr, FROM_PTR: tl.constexpr):
 
 
 @triton.jit
+def widen_query(q, QUERY_WIDENED_TO: tl.constexpr):
+    """A query tile in the 16-bit type the call computes in: an FP8 tile widened exactly (every e4m3 value is a
+    float16 and a bfloat16 one; its descale is folded into the logits' scale), another as it is."""
+    if QUERY_WIDENED_TO == "float16":
+        return q.to(tl.float16)
+    elif QUERY_WIDENED_TO == "bfloat16":
+        return q.to(tl.bfloat16)
+    else:
+        return q
+
+
+@triton.jit
 def locate_tile(tile, query_start_ptr, num_seqs, TOKENS_PER_TILE: tl.constexpr):
     """Map a flat tile index to (sequence, first token of the tile within the sequence).
 

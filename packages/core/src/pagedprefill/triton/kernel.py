@@ -38,6 +38,7 @@ from .blocks import (
     tile_sequence,
     visible,
     visible_keys,
+    widen_query,
 )
 
 # Groups the kernel builds for its phases (the launcher's groups are in :mod:`.arguments`).
@@ -185,7 +186,8 @@ def prefix_prefill_kernel(
     q_strides = token_strides.q
     q_off = q_rows.to(tl.int64)[:, None] * q_strides.token + head.to(tl.int64)[:, None] * q_strides.head \
         + offs_d[None, :]
-    q = tl.load(tokens.q + q_off, mask=row_ok[:, None] & d_mask[None, :], other=0.0)
+    QUERY_WIDENED_TO: tl.constexpr = FEATURES.QUERY_WIDENED_TO
+    q = widen_query(tl.load(tokens.q + q_off, mask=row_ok[:, None] & d_mask[None, :], other=0.0), QUERY_WIDENED_TO)
 
     K_SCALE_FROM_TENSOR: tl.constexpr = SCALE_FROM_TENSOR.K
     V_SCALE_FROM_TENSOR: tl.constexpr = SCALE_FROM_TENSOR.V
@@ -197,6 +199,8 @@ def prefix_prefill_kernel(
         qk_scale = scales.softmax
     else:
         qk_scale = scales.softmax * LOG2E
+    if SCALE_FROM_TENSOR.Q:  # an FP8 q's descale, given as a tensor (as a number it is in scales.softmax)
+        qk_scale = qk_scale * tl.load(scale_tensors.q).to(tl.float32)
     qk_scale_cache = qk_scale * k_scale
     alibi_slope_log2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     if FEATURES.ALIBI:

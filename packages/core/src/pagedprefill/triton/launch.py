@@ -28,7 +28,8 @@ from triton import knobs
 from ..accelerator import device_guard
 from ..cache import as_stored_type
 from ..tiling import ProblemShape, TileConfig, launch_grid, padded_head_size, pagewise_possible, problem_shape
-from ..types import KVLayout, PrefillProblem
+from ..types import FP8_QUERY_DTYPES, KVLayout, PrefillProblem
+from ..validation import dtype_name
 from . import blocks
 from .arguments import (
     Batch,
@@ -112,9 +113,11 @@ def _scale_arg(scale, used: bool) -> tuple[float, bool]:
 def call_features(p: PrefillProblem) -> Features:
     """The optional parts of the computation a call compiles in (every kernel's ``FEATURES`` constexpr)."""
     o = p.options
+    widened = dtype_name(p.dtype) if p.q.dtype in FP8_QUERY_DTYPES else ""
     return Features(CAUSAL=o.causal, WINDOW=o.sliding_window is not None, SOFTCAP=o.softcap > 0,
                     ALIBI=o.alibi_slopes is not None, SINKS=o.sinks is not None, SKIP_DECODE=o.skip_decode,
-                    NEW_KV_IN_CACHE=p.k is None, OUT_SCALE=o.fp8_out_scale is not None)
+                    NEW_KV_IN_CACHE=p.k is None, OUT_SCALE=o.fp8_out_scale is not None,
+                    QUERY_WIDENED_TO=widened)
 
 
 def scale_arguments(p: PrefillProblem) -> tuple[Scales, ScaleFromTensor]:
@@ -124,8 +127,11 @@ def scale_arguments(p: PrefillProblem) -> tuple[Scales, ScaleFromTensor]:
     k_scale, k_from_tensor = _scale_arg(p.cache.k_scale, fp8)
     v_scale, v_from_tensor = _scale_arg(p.cache.v_scale, fp8)
     out_scale, out_from_tensor = _scale_arg(p.options.fp8_out_scale, True)
-    return (Scales(p.sm_scale, k_scale, v_scale, out_scale),
-            ScaleFromTensor(k_from_tensor, v_from_tensor, out_from_tensor))
+    q_scale, q_from_tensor = _scale_arg(p.options.q_scale, p.q.dtype in FP8_QUERY_DTYPES)
+    # An FP8 q is widened exactly; its descale scales every logit, as the softmax scale does.
+    softmax = p.sm_scale * q_scale if q_scale != 1.0 else p.sm_scale
+    return (Scales(softmax, k_scale, v_scale, out_scale),
+            ScaleFromTensor(k_from_tensor, v_from_tensor, out_from_tensor, q_from_tensor))
 
 
 def call_extents(p: PrefillProblem) -> Extents:
@@ -181,11 +187,12 @@ def call_tensors(p: PrefillProblem, key_splits: int = 1) -> tuple:
     fp8 = c.dtype.is_fp8
     k_scale = c.k_scale if fp8 and isinstance(c.k_scale, torch.Tensor) else q
     v_scale = c.v_scale if fp8 and isinstance(c.v_scale, torch.Tensor) else q
-    out_scale = o.fp8_out_scale
+    out_scale, q_scale = o.fp8_out_scale, o.q_scale
     b = p.batch
     return ((q, k, v, p.out), (c.key, c.value, b.block_table), (b.query_start, b.seq_lens, b.context_lens),
             (q if o.alibi_slopes is None else o.alibi_slopes, q if o.sinks is None else o.sinks),
-            (k_scale, v_scale, out_scale if isinstance(out_scale, torch.Tensor) else q),
+            (k_scale, v_scale, out_scale if isinstance(out_scale, torch.Tensor) else q,
+             q_scale if isinstance(q_scale, torch.Tensor) else q),
             partial_rows(q, key_splits))
 
 
@@ -219,7 +226,7 @@ def tile_of(p: PrefillProblem, config: TileConfig) -> Tile:
     """``config`` as core's kernel and the combine take it (:class:`.arguments.Tile`) for ``p``."""
     group = p.num_heads // p.num_kv_heads
     return Tile(config.block_m, config.block_n, config.heads_per_tile, triton.cdiv(group, config.heads_per_tile),
-                config.split_masks, dot_precision(p.q.dtype, config), config.key_splits)
+                config.split_masks, dot_precision(p.dtype, config), config.key_splits)
 
 
 def combine_tensors(tensors: tuple) -> tuple:
