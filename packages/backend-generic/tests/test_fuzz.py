@@ -71,7 +71,7 @@ def test_fuzz_streams_cover_the_ranges_and_bound_gpu_specialisations(sizes, n):
     assert {"nhd", "split"} == {s.layout for s in specs}
     assert any(s.x is not None for s in specs)
     assert set(sizes.dtypes) == {s.dtype for s in specs}
-    for flag in ("alibi", "sinks", "scale_as_tensor", "causal", "skip_decode", "kv_in_cache"):
+    for flag in ("alibi", "sinks", "scale_as_tensor", "causal", "skip_decode", "kv_in_cache", "fp8_query"):
         assert {True, False} == {getattr(s, flag) for s in specs}, flag
     assert any(s.fp8_out_scale for s in specs) and any(s.fp8_out_scale is None for s in specs)
     assert any(s.softcap for s in specs) and any(s.sm_scale for s in specs)
@@ -94,7 +94,15 @@ def test_fuzz_draws_only_the_features_a_backend_supports():
         assert all(s.fp8_out_scale is None for s in specs)
         assert any(s.kv_in_cache for s in specs)
         plain = _specs(sizes, 600, features=frozenset())
-        assert not any(s.kv_in_cache or s.skip_decode or not s.causal or s.fp8_out_scale for s in plain)
+        assert not any(s.kv_in_cache or s.skip_decode or not s.causal or s.fp8_out_scale or s.fp8_query
+                       for s in plain)
+        # Without FP8 queries (sm80, bi100) a stream is what it would be had the feature never been drawn: the
+        # same cases, all with 16-bit queries.
+        without_fp8_query = _specs(sizes, 600, features=FEATURES - {"fp8_query"})
+        drawn = _specs(sizes, 600)
+        assert not any(s.fp8_query for s in without_fp8_query) and any(s.fp8_query for s in drawn)
+        if sizes.keys is not None:  # a key's own draws come first: the keys differ only in the query's type
+            assert [s.replace(fp8_query=False) for s in drawn] == without_fp8_query
 
 
 class _OffByALittle(ReferenceBackend):

@@ -329,12 +329,13 @@ class FuzzGenerator:
         seqs = "1" if tokens == "1" and rng.random() < 0.5 else rng.choice(["1", "n", "n"])
         # A one-column table needs every sequence inside one block: not with k = v = None (new tokens are cached).
         width = "1" if not fields["kv_in_cache"] and rng.random() < 0.2 else "n"
-        # Drawn only for a backend that runs it, so that the streams of the others stay as they were.
+        key = CompileKey(spec=BatchSpec(**fields), window=rng.random() < 0.4, seqs_state=seqs, tokens_state=tokens,
+                         blocks_state=rng.choice(["16", "n", "n"]), width_state=width,
+                         window_state=rng.choice(["1", "16", "n", "n"]), workload="long" if long else "short")
+        # Drawn last, and only for a backend that runs it: every other draw of the key stays as it was.
         if "fp8_query" in features and fields["dtype"] in (torch.float16, torch.bfloat16):
-            fields["fp8_query"] = rng.random() < 0.15
-        return CompileKey(spec=BatchSpec(**fields), window=rng.random() < 0.4, seqs_state=seqs, tokens_state=tokens,
-                          blocks_state=rng.choice(["16", "n", "n"]), width_state=width,
-                          window_state=rng.choice(["1", "16", "n", "n"]), workload="long" if long else "short")
+            key = dataclasses.replace(key, spec=key.spec.replace(fp8_query=rng.random() < 0.15))
+        return key
 
     # -- cases within a key ---------------------------------------------------------------------------------
     def _case(self, rng: random.Random, key: CompileKey, seed: int) -> BatchSpec:
