@@ -338,13 +338,13 @@ class PrefillProblem:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The type the call computes in and its 16-bit (or float32) tensors hold: ``q``'s, or for an FP8 ``q``
-        the first 16-bit type among ``out``, ``k`` and an unquantised cache, else bfloat16 (FP8 queries, keys,
-        values and output alike: every FP8 value is exactly a bfloat16 one)."""
+        """The type the call computes in: ``q``'s, or for an FP8 ``q`` the first 16-bit type among ``out``, ``k``
+        and an unquantised cache, else bfloat16 (FP8 queries, keys, values and output alike: every FP8 value is
+        exactly a bfloat16 one)."""
         if self.q.dtype not in FP8_QUERY_DTYPES:
             return self.q.dtype
         for t in (self.out, self.k, self.cache.key if not self.cache.dtype.is_fp8 else None):
-            if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16):
                 return t.dtype
         return torch.bfloat16
 

@@ -99,6 +99,9 @@ CASES: dict[str, dict] = {
     "fp8_query_tensor_scales_kv_in_cache": {"fp8_query": True, "kv_in_cache": True, "kv_cache_dtype": "fp8_e4m3",
                                             "scale_as_tensor": True, "sliding_window": 9},
     "fp8_query_fp8_out": {"fp8_query": True, "kv_in_cache": True, "fp8_out_scale": 0.03},
+    # nothing 16-bit beside the FP8 q (FP8 cache and output, k = v = None): the call computes in bfloat16
+    "fp8_query_only_fp8": {"fp8_query": True, "kv_in_cache": True, "kv_cache_dtype": "fp8_e4m3",
+                           "fp8_out_scale": 0.03, "dtype": torch.bfloat16},
 }
 
 #: case name -> the optional features (:data:`pagedprefill.types.FEATURES`) it needs.
