@@ -80,7 +80,9 @@ def as_stored_type(t: torch.Tensor, kv_dtype: KVCacheDType) -> torch.Tensor:
     return t.view(kv_dtype.torch_dtype) if kv_dtype.is_fp8 and t.dtype == torch.uint8 else t
 
 
-def _scale_value(scale: ScaleLike) -> Union[float, torch.Tensor]:
+def scale_value(scale: ScaleLike) -> Union[float, torch.Tensor]:
+    """A scale given as a float or a 1-element tensor, as a float or a 0-d float32 tensor (no host sync), to
+    multiply or divide a tensor by."""
     return scale.reshape(()).float() if isinstance(scale, torch.Tensor) else float(scale)
 
 
@@ -93,7 +95,7 @@ def quantize_fp8(
         raise ValueError(f"kv_cache_dtype: expected an FP8 format for quantize_fp8, got {kv_dtype.value!r}")
     fp8 = kv_dtype.torch_dtype
     limit = torch.finfo(fp8).max
-    y = (x.float() / _scale_value(scale)).clamp(-limit, limit)
+    y = (x.float() / scale_value(scale)).clamp(-limit, limit)
     return y.to(fp8).view(torch.uint8)
 
 
@@ -172,6 +174,6 @@ def gather_kv(
         v = v.reshape(-1, v.shape[2], v.shape[3])
     k, v = k[:length].to(dtype), v[:length].to(dtype)
     if cache.dtype.is_fp8:
-        k = k * _scale_value(cache.k_scale)
-        v = v * _scale_value(cache.v_scale)
+        k = k * scale_value(cache.k_scale)
+        v = v * scale_value(cache.v_scale)
     return k, v

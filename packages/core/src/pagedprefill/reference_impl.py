@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .cache import gather_kv
+from .cache import gather_kv, scale_value
 from .types import PrefillProblem
 
 #: Upper bound of score elements materialised at once (queries are processed in chunks below it).
@@ -46,9 +46,7 @@ def reference_prefill(problem: PrefillProblem, compute_dtype: torch.dtype = torc
     slopes = opts.alibi_slopes.to(compute_dtype) if opts.alibi_slopes is not None else None
     sinks = opts.sinks.to(compute_dtype) if opts.sinks is not None else None
     window = opts.sliding_window
-    # An FP8 q holds q / q_scale: its queries are the descaled values.
-    q_scale = opts.q_scale.reshape(()).to(compute_dtype) if isinstance(opts.q_scale, torch.Tensor) else \
-        float(opts.q_scale)
+    q_scale = scale_value(opts.q_scale)  # an FP8 q holds q / q_scale: its queries are the descaled values
     for i, (seq_len, ctx) in enumerate(zip(seq_lens, ctx_lens)):
         n = seq_len - ctx
         if n <= 0 or (opts.skip_decode and n == 1):

@@ -19,7 +19,7 @@ from .device import DeviceInfo, DeviceLike, install_detection
 from .features import check_runnable
 from .placement import require_device
 from .registry import Backend, Registry
-from .types import FP8_QUERY_DTYPES, PrefillProblem
+from .types import FP8_QUERY_DTYPES, PrefillProblem, fp8_query_compute_dtype
 from .validation import NATIVE_NAMES, ArgumentNames, ValidateMode, validate_problem, validate_values
 
 __all__ = ["BackendChoice", "available_backends", "dispatch", "get_registry", "reset_registry", "select_backend"]
@@ -119,8 +119,7 @@ def _new_output(q: torch.Tensor, fp8_out_scale, skip_decode: bool, k=None, k_cac
     if fp8_out_scale is not None:
         dtype = torch.float8_e4m3fn
     elif q.dtype in FP8_QUERY_DTYPES:
-        dtype = next((t.dtype for t in (k, k_cache) if isinstance(t, torch.Tensor)
-                      and t.dtype in (torch.float16, torch.bfloat16)), torch.bfloat16)
+        dtype = fp8_query_compute_dtype(k, k_cache)
     if skip_decode:
         return torch.zeros(q.shape, dtype=dtype, device=q.device)
     return torch.empty(q.shape, dtype=dtype, device=q.device)

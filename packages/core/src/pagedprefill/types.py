@@ -24,6 +24,15 @@ ScaleLike = Union[float, torch.Tensor]
 
 #: Query dtypes of the FP8 query path (``fp8_query``): the caller quantised ``q`` and passes its ``q_scale``.
 FP8_QUERY_DTYPES = (torch.float8_e4m3fn,)
+#: The types a call with an FP8 ``q`` computes in (its output, new keys and values, unquantised cache).
+FP8_QUERY_COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def fp8_query_compute_dtype(*tensors) -> torch.dtype:
+    """The type a call with an FP8 ``q`` computes in: the first of ``tensors`` (tensors or None) in a
+    :data:`FP8_QUERY_COMPUTE_DTYPES` type gives it, else bfloat16, which holds every FP8 value exactly."""
+    return next((t.dtype for t in tensors if isinstance(t, torch.Tensor) and t.dtype in FP8_QUERY_COMPUTE_DTYPES),
+                torch.bfloat16)
 
 #: ``(name, attribute, default)`` of the options the cache, the batch and the attention options hold, for
 #: PrefillProblem.from_tensors (read once: every call of the public functions builds a problem).
@@ -343,10 +352,7 @@ class PrefillProblem:
         exactly a bfloat16 one)."""
         if self.q.dtype not in FP8_QUERY_DTYPES:
             return self.q.dtype
-        for t in (self.out, self.k, self.cache.key if not self.cache.dtype.is_fp8 else None):
-            if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16):
-                return t.dtype
-        return torch.bfloat16
+        return fp8_query_compute_dtype(self.out, self.k, None if self.cache.dtype.is_fp8 else self.cache.key)
 
     @property
     def num_kv_heads(self) -> int:

@@ -22,7 +22,7 @@ from typing import Literal, Optional
 import torch
 
 from .options import held_by
-from .types import FP8_QUERY_DTYPES, KVLayout, PagedKVCache, PrefillProblem
+from .types import FP8_QUERY_COMPUTE_DTYPES, FP8_QUERY_DTYPES, KVLayout, PagedKVCache, PrefillProblem
 
 ValidateMode = Literal["basic", "full"]
 
@@ -30,8 +30,6 @@ MAX_HEAD_SIZE = 256
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: Output dtypes accepted with ``fp8_out_scale``.
 FP8_OUT_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
-#: The 16-bit types a call with an FP8 ``q`` computes in (its output, new keys and values, unquantised cache).
-FP8_QUERY_MODEL_DTYPES = (torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -172,7 +170,7 @@ def _validate_tensors(p: PrefillProblem, out_name: str) -> None:
         _expect_dtype(out_name, out, FP8_OUT_DTYPES, "float8_e4m3fn or float8_e4m3fnuz (FP8 output, fp8_out_scale "
                                                      "is set)")
     elif fp8_query:
-        _expect_dtype(out_name, out, FP8_QUERY_MODEL_DTYPES,
+        _expect_dtype(out_name, out, FP8_QUERY_COMPUTE_DTYPES,
                       "float16 or bfloat16 (the output of an FP8 q; an FP8 output needs fp8_out_scale)")
     elif out.dtype != q.dtype:
         raise TypeError(
@@ -194,7 +192,7 @@ def _validate_tensors(p: PrefillProblem, out_name: str) -> None:
     _expect_ndim("v", v, 3, "[tokens, num_kv_heads, head_size]")
     for name, t in (("k", k), ("v", v)):
         if fp8_query:
-            _expect_dtype(name, t, FP8_QUERY_MODEL_DTYPES, "float16 or bfloat16 (the new tokens' keys and values "
+            _expect_dtype(name, t, FP8_QUERY_COMPUTE_DTYPES, "float16 or bfloat16 (the new tokens' keys and values "
                                                            "beside an FP8 q)")
         if t.dtype != model:
             raise TypeError(f"{name}: expected dtype {dtype_name(model)} ({of}), got {dtype_name(t.dtype)}")
@@ -239,7 +237,7 @@ def _validate_cache(p: PrefillProblem) -> None:
                 f"dtype {dtype_name(model)}; pass kv_cache_dtype='fp8_e4m3' or 'fp8_e5m2' with k_scale/v_scale"
             )
         if p.q.dtype in FP8_QUERY_DTYPES:
-            _expect_dtype("k_cache", kc, FP8_QUERY_MODEL_DTYPES,
+            _expect_dtype("k_cache", kc, FP8_QUERY_COMPUTE_DTYPES,
                           "float16 or bfloat16 (an unquantised cache, kv_cache_dtype='auto', beside an FP8 q)")
             _expect_dtype("k_cache", kc, (model,), f"{dtype_name(model)} (the 16-bit dtype of the call, whose q is "
                                                    f"FP8; kv_cache_dtype='auto')")

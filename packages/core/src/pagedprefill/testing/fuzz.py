@@ -73,7 +73,7 @@ from ..api import get_registry, select_backend
 from ..device import DeviceInfo, interpreter_enabled
 from ..features import check_runnable
 from ..registry import Backend, UnsupportedFeatureError
-from ..types import FEATURES
+from ..types import FEATURES, FP8_QUERY_COMPUTE_DTYPES
 from ..validation import validate_problem
 from ..workloads import BatchSpec, make_problem
 from .cases import DEFAULT_TOLERANCES, assert_matches_reference
@@ -337,7 +337,7 @@ class FuzzGenerator:
         # (PrefillProblem.dtype): only where the sizes draw bfloat16 (not in Triton's CPU interpreter, whose
         # bfloat16 dot is not exact).
         only_fp8 = fields["fp8_out_scale"] is not None and fields["kv_in_cache"] and fields["kv_cache_dtype"] != "auto"
-        if "fp8_query" in features and fields["dtype"] in (torch.float16, torch.bfloat16) \
+        if "fp8_query" in features and fields["dtype"] in FP8_QUERY_COMPUTE_DTYPES \
                 and (not only_fp8 or torch.bfloat16 in sizes.dtypes):
             key = dataclasses.replace(key, spec=key.spec.replace(fp8_query=rng.random() < 0.15))
         return key

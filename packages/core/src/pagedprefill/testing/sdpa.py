@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..cache import gather_kv
+from ..cache import gather_kv, scale_value
 from ..types import PrefillProblem
 
 #: Upper bound of mask elements built at once (queries are processed in chunks below it).
@@ -55,8 +55,7 @@ def _sequence(p: PrefillProblem, i: int, ctx: int, start: int, n: int) -> torch.
     keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)
     values = values.repeat_interleave(group, dim=1).transpose(0, 1)
     chunk = max(1, MAX_MASK_ELEMENTS // max(1, p.num_heads * seq_len))
-    scale = p.options.q_scale  # an FP8 q holds q / q_scale (1.0 for any other q)
-    q_scale = float(scale.reshape(())) if isinstance(scale, torch.Tensor) else float(scale)
+    q_scale = scale_value(p.options.q_scale)  # an FP8 q holds q / q_scale (1.0 for any other q)
     parts = []
     for q0 in range(0, n, chunk):
         q1 = min(n, q0 + chunk)
