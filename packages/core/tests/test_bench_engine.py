@@ -224,12 +224,16 @@ def test_the_command_writes_the_tables_and_json_of_the_engine_suite(monkeypatch,
     assert data["meta"]["suite"] == "engine" and data["meta"]["peers"]["fa4"].endswith("(stand-in)")
     names = list(dict.fromkeys(r["workload"] for r in data["rows"]))
     assert names == ["prefix-cached 8x(1024+7168)", "prefix-cached 8x(1024+7168) block 128",
-                     "D64 32/32 heads prefix-cached", "D256 16/8 heads prefix-cached", "decode 4x ctx 128k"]
+                     "D64 32/32 heads prefix-cached", "D256 16/8 heads prefix-cached", "FP8 e4m3 KV prefix-cached",
+                     "FP8 query e4m3 KV prefix-cached", "decode 4x ctx 128k"]
+    fp8_query = by_impl(data["rows"], "FP8 query e4m3 KV prefix-cached")
+    assert {"engine", "nhd", "split"} <= set(fp8_query)
+    assert fp8_query["fa4"]["status"] == "not run" and "FP8" in fp8_query["fa4"]["reason"]  # none on this path
     decode = by_impl(data["rows"], "decode 4x ctx 128k")
     assert set(decode) == {"engine", "nhd", "split", "reference", "fa4", "fa4 contig"}
     assert all("gbps" in decode[k] for k in ("engine", "nhd", "split", "fa4", "fa4 contig"))
     assert "gbps" not in by_impl(data["rows"], "prefix-cached 8x(1024+7168)")["engine"]
-    for line in ("[5/5] decode 4x ctx 128k", "FA4 columns: flash_attn.cute from flash-attn-4 (stand-in)"):
+    for line in ("[7/7] decode 4x ctx 128k", "FA4 columns: flash_attn.cute from flash-attn-4 (stand-in)"):
         assert line in printed.err
     for heading in ("TFLOP/s (median):", "GB/s of the K/V bytes each call must read",
                     "The engine's call over FA4 on the paged cache", "Largest absolute error against the float32"):

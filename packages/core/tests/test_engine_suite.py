@@ -58,8 +58,13 @@ def test_engine_suite_has_the_issue_rows_with_their_shapes():
     assert set(shapes.values()) == {llama}, shapes
     for name in ("D64 32/32 heads prefix-cached", "D256 16/8 heads prefix-cached"):
         assert rows[name].spec.query_lens == (1024,) * 8 and rows[name].spec.context_lens == (7168,) * 8
+    fp8 = {name: rows[name].spec for name in ("FP8 e4m3 KV prefix-cached", "FP8 query e4m3 KV prefix-cached")}
+    for name, spec in fp8.items():  # the prefix-cached row on an e4m3 cache, with a 16-bit and an FP8 query
+        assert spec == rows["prefix-cached 8x(1024+7168)"].spec.replace(kv_cache_dtype="fp8_e4m3",
+                                                                        fp8_query="query" in name), name
     for w in rows.values():  # the engine's form is built by bench; the suite's specs are plain ones
-        assert not w.spec.kv_in_cache and w.spec.kv_cache_dtype == "auto" and w.spec.layout == "nhd"
+        assert not w.spec.kv_in_cache and w.spec.layout == "nhd"
+        assert w.spec.kv_cache_dtype == "auto" or w.name in fp8, w.name
 
 
 def test_memory_bound_rows_are_the_decode_and_speculative_ones():

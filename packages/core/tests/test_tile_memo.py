@@ -89,3 +89,17 @@ def test_calls_that_differ_in_options_only_share_the_remembered_tile(table_dir):
     before = TableBackend.decisions
     backend.tile_config(shapes.pop(), DEVICE)
     assert TableBackend.decisions == before + 1
+
+
+def test_an_fp8_query_and_keys_in_the_cache_are_part_of_the_shape():
+    """Whether ``q`` is FP8 and whether the new tokens' K/V are read from the cache reach the policy (a route may
+    take FP8 MMAs only where both hold), so calls that differ in them are different shapes."""
+    from pagedprefill.backends.triton_base import problem_shape
+    from pagedprefill.workloads import BatchSpec, make_problem
+
+    spec = BatchSpec(query_lens=(5, 2), context_lens=(9, 0), num_heads=4, num_kv_heads=2, head_size=16)
+    shapes = {(q8, cached): problem_shape(make_problem(spec.replace(fp8_query=q8, kv_in_cache=cached)))
+              for q8 in (False, True) for cached in (False, True)}
+    assert len(set(shapes.values())) == 4
+    assert all((s.fp8_query, s.kv_in_cache) == key for key, s in shapes.items())
+    assert all(s.dtype == torch.float16 for s in shapes.values())  # an FP8 q's call computes in float16 here

@@ -27,7 +27,7 @@ from typing import Optional, Protocol, runtime_checkable
 import torch
 
 from .device import DeviceInfo
-from .types import KVCacheDType, KVLayout, PrefillProblem
+from .types import FP8_QUERY_DTYPES, KVCacheDType, KVLayout, PrefillProblem
 
 
 def next_power_of_2(n: int) -> int:
@@ -46,7 +46,9 @@ class ProblemShape:
     ``max_query_len`` is the caller's hint (None when not given); ``num_tokens``/``num_seqs`` are the tensor
     extents, so a policy can tell a batch of short queries from a long prefill without reading lengths. Option
     values that no policy reads (the sliding window, say) are not part of it: a shape is the key under which
-    a backend remembers its policy's tile, and such values would only split that memo.
+    a backend remembers its policy's tile, and such values would only split that memo. ``fp8_query``: ``q`` is
+    FP8 (``dtype`` is then the 16-bit type the call computes in); ``kv_in_cache``: the new tokens' keys and
+    values are read from the cache (``k = v = None``), so that every key tile is a cache page's.
     """
 
     head_size: int
@@ -59,6 +61,8 @@ class ProblemShape:
     num_seqs: int = 1
     max_query_len: Optional[int] = None
     layout: KVLayout = KVLayout.NHD
+    fp8_query: bool = False
+    kv_in_cache: bool = False
 
     def __post_init__(self) -> None:
         # Spellings are accepted ("fp8_e4m3", "split"); the shape holds the enums, which compare equal to them.
@@ -296,4 +300,6 @@ def problem_shape(problem: PrefillProblem) -> ProblemShape:
         num_seqs=problem.batch.num_seqs,
         max_query_len=problem.batch.max_query_len,
         layout=problem.cache.layout,
+        fp8_query=problem.q.dtype in FP8_QUERY_DTYPES,
+        kv_in_cache=problem.kv_in_cache,
     )

@@ -177,7 +177,7 @@ def classic_twin(problem: PrefillProblem, layout: str = "nhd") -> PrefillProblem
     layout, 16 bytes per innermost K chunk). A new NaN-poisoned output.
 
     The two forms attend to the same values, so their outputs compare with one reference. (An FP8 cache's new
-    tokens come back dequantised, in the query dtype.)
+    tokens come back dequantised, in the 16-bit type the call computes in: the query's, unless it is FP8.)
     """
     if not problem.kv_in_cache:
         raise ValueError("problem: expected an engine problem with k = v = None (BatchSpec(kv_in_cache=True)), "
@@ -189,7 +189,7 @@ def classic_twin(problem: PrefillProblem, layout: str = "nhd") -> PrefillProblem
     b = problem.batch
     seq, ctx = b.seq_lens.tolist(), b.context_lens.tolist()
     slots = new_token_slots([s - c for s, c in zip(seq, ctx)], ctx, b.block_table, problem.cache.block_size)
-    k, v = _read_slots(problem.cache, slots.to(problem.device), problem.q.dtype)
+    k, v = _read_slots(problem.cache, slots.to(problem.device), problem.dtype)
     cache = problem.cache if layout == "nhd" else _split_copy(problem.cache)
     twin = dataclasses.replace(problem, k=k, v=v, cache=cache)
     return fresh_output(twin)
@@ -265,6 +265,7 @@ def default_suite() -> list[Workload]:
         Workload("D256 prefix-cached", prefix.replace(head_size=256)),
         Workload("fp16 prefix-cached", prefix.replace(dtype=torch.float16)),
         Workload("FP8 e4m3 KV prefix-cached", prefix.replace(kv_cache_dtype="fp8_e4m3")),
+        Workload("FP8 query e4m3 KV prefix-cached", prefix.replace(kv_cache_dtype="fp8_e4m3", fp8_query=True)),
         Workload("window 4096 chunked", chunked.replace(sliding_window=4096), "in-window FLOPs"),
     ]
 
@@ -279,9 +280,9 @@ def context_suite() -> list[Workload]:
 def engine_suite() -> list[Workload]:
     """The serving engine's suite: batches as an engine's steps make them (prefix-cached prefills at pages of
     16 and 128, a long prefill, chunks, many short sequences, a mixed step of a chunk and decode rows, decode,
-    speculative rows, head sizes 64 and 256), then few sequences on long contexts. Llama-3-8B shapes unless
-    the name says otherwise; ``bench`` times each the engine's way (k = v = None, every key and value read
-    from the cache) and the classic way."""
+    speculative rows, head sizes 64 and 256, an FP8 e4m3 cache with a 16-bit and with an FP8 query), then few
+    sequences on long contexts. Llama-3-8B shapes unless the name says otherwise; ``bench`` times each the
+    engine's way (k = v = None, every key and value read from the cache) and the classic way."""
     base = BatchSpec(**LLAMA3_8B, spare_blocks=0)
     prefix = base.replace(query_lens=(1024,) * 8, context_lens=(7168,) * 8)
     return [
@@ -301,6 +302,8 @@ def engine_suite() -> list[Workload]:
                  memory_bound=True),
         Workload("D64 32/32 heads prefix-cached", prefix.replace(head_size=64, num_kv_heads=32)),
         Workload("D256 16/8 heads prefix-cached", prefix.replace(head_size=256, num_heads=16)),
+        Workload("FP8 e4m3 KV prefix-cached", prefix.replace(kv_cache_dtype="fp8_e4m3")),
+        Workload("FP8 query e4m3 KV prefix-cached", prefix.replace(kv_cache_dtype="fp8_e4m3", fp8_query=True)),
         *long_context_engine_rows(base),
     ]
 
