@@ -13,7 +13,7 @@ import torch
 from pagedprefill import DeviceInfo
 from pagedprefill.backends.triton_base import problem_shape
 from pagedprefill.tiling import ProblemShape
-from pagedprefill.workloads import BatchSpec, make_problem
+from pagedprefill.workloads import BatchSpec, default_suite, make_problem
 from pagedprefill_sm80 import Sm80Backend
 from pagedprefill_sm80.hopper.launch import kernel_call, unfit_reason
 from pagedprefill_sm80.hopper.schedule import (
@@ -416,7 +416,7 @@ def test_info_shows_each_routes_kernel_and_reason():
         proc = subprocess.run([sys.executable, "-m", "pagedprefill", "info", "--describe", "h200"],
                               capture_output=True, text=True, timeout=300, env=env)
         rows = [line for line in proc.stdout.splitlines() if " split " in line or " nhd " in line]
-        assert len(rows) == 20, proc.stdout  # ten bench workloads, two layouts
+        assert len(rows) == 2 * len(default_suite()), proc.stdout  # every bench workload, two layouts
         assert all(f" {kernel} " in line and reason in line for line in rows), proc.stdout
 
 
@@ -1300,3 +1300,84 @@ def test_auto_picks_it_only_where_it_measured_faster(monkeypatch):
     for changes in ({"head_size": 64}, {"kv_cache_dtype": "fp8_e4m3"}):
         kernel, why = choose_kernel(shape(**changes), H200)
         assert kernel == "portable" and why.startswith("the Hopper kernel has not measured faster"), (changes, why)
+
+
+def test_fp8_scores_apply_to_an_fp8_query_on_an_e4m3_cache_holding_every_key():
+    """``FP8_SCORES`` (on in the kernel's defaults) applies where both operands of ``Q K^T`` can be e4m3 as they
+    are: an FP8 query, an e4m3 cache, every key in it (k = v = None) and a head size that fills the tile; its
+    shared-memory model counts the query and the K ring in one byte (and, NHD, no FP8 ring for the keys), and the
+    launch's constexprs carry it."""
+    assert DEFAULTS["FP8_SCORES"]
+    engine = dict(fp8_query=True, kv_cache_dtype="fp8_e4m3", kv_in_cache=True)
+    for layout in ("nhd", "split"):
+        for head_size in (64, 128):
+            s = shape(layout=layout, head_size=head_size, **engine)
+            config = hopper_config(s)
+            assert resolve(s, config)["FP8_SCORES"], s
+            assert not resolve(s, config, dict(FP8_SCORES=False))["FP8_SCORES"]
+            d, n, stages = head_size, config.block_n, config.num_stages
+            saved = 128 * d + stages * n * d * (2 if layout == "nhd" else 1)  # Q and K in one byte; NHD: no FP8 keys
+            assert shared_bytes(s, config, dict(FP8_SCORES=False)) - shared_bytes(s, config) == saved, s
+    for changes in (dict(engine, fp8_query=False), dict(engine, kv_in_cache=False), dict(engine, head_size=96),
+                    dict(engine, kv_cache_dtype="fp8_e5m2"), dict(engine, kv_cache_dtype="auto")):
+        s = shape(**changes)
+        assert not resolve(s, hopper_config(s))["FP8_SCORES"], changes
+    problem = make_problem(SPEC.replace(**engine))
+    s = problem_shape(problem)
+    assert kernel_call(problem, hopper_config(s), s).constexprs["SCHEDULE"].FP8_SCORES
+    assert not kernel_call(problem, hopper_config(s), s, dict(FP8_SCORES=False)).constexprs["SCHEDULE"].FP8_SCORES
+
+
+def test_an_fp8_query_folds_its_descale_into_the_logits_scale():
+    """An FP8 q's descale given as a number is part of the launch's logit scale (with ``log2(e)``); given as a
+    tensor it is read on the device (``SCALE_FROM_TENSOR.Q``) and the number stays the softmax scale's; a 16-bit
+    q's call is unchanged."""
+    import math
+
+    plain = make_problem(SPEC)
+    s = problem_shape(plain)
+    base = kernel_call(plain, hopper_config(s), s).scalars[0]
+    assert base == pytest.approx(plain.sm_scale * math.log2(math.e))
+    quantised = make_problem(SPEC.replace(fp8_query=True))
+    q_scale = quantised.options.q_scale
+    assert isinstance(q_scale, float) and q_scale != 1.0
+    call = kernel_call(quantised, hopper_config(problem_shape(quantised)), problem_shape(quantised))
+    assert call.scalars[0] == pytest.approx(base * q_scale) and not call.constexprs["SCALE_FROM_TENSOR"].Q
+    as_tensor = make_problem(SPEC.replace(fp8_query=True, scale_as_tensor=True))
+    call = kernel_call(as_tensor, hopper_config(problem_shape(as_tensor)), problem_shape(as_tensor))
+    assert call.scalars[0] == pytest.approx(base) and call.constexprs["SCALE_FROM_TENSOR"].Q
+
+
+def test_fp8_queries_compile_for_sm90_with_fp8_scores_where_they_apply():
+    """An FP8 query on the Hopper kernel, compiled for sm90: widened as it is loaded beside a 16-bit cache (only
+    16-bit warpgroup MMAs), and under ``FP8_SCORES`` on an e4m3 cache holding every key (NHD and split): ``Q K^T``
+    on e4m3 MMAs (k32 instructions) and ``P V`` on 16-bit ones, no spills, the shared memory its model counts."""
+    summaries = child_result("compile_fp8_queries")
+    assert sorted(summaries) == ["nhd-16-bit-cache", "nhd-fp8-scores", "split-fp8-scores"], summaries
+    widened = summaries["nhd-16-bit-cache"]
+    assert widened["fp8_mmas"] == 0 < widened["wgmma"] and widened["spill_bytes"] in (0, None), widened
+    for name in ("nhd-fp8-scores", "split-fp8-scores"):
+        summary = summaries[name]
+        assert summary["fp8_mmas"] > 0 and summary["bf16_mmas"] > 0, (name, summary)
+        assert summary["spill_bytes"] in (0, None), (name, summary)
+        assert summary["model_bytes"] - 1024 <= summary["shared_bytes"] <= summary["model_bytes"], (name, summary)
+
+
+def compile_fp8_queries() -> dict:
+    """Codegen summaries of FP8-query calls (with the counts of e4m3 and bf16 warpgroup MMA instructions in the
+    PTX and the shared-memory model's bytes)."""
+    from pagedprefill.triton.codegen import compile_call, summarize
+    from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
+
+    engine = dict(fp8_query=True, kv_cache_dtype="fp8_e4m3", kv_in_cache=True)
+    out = {}
+    for name, changes in (("nhd-16-bit-cache", dict(fp8_query=True)), ("nhd-fp8-scores", engine),
+                          ("split-fp8-scores", dict(engine, layout="split"))):
+        problem = make_problem(SPEC.replace(query_lens=(400, 300), context_lens=(500, 0), **changes))
+        s = problem_shape(problem)
+        config = hopper_config(s)
+        compiled = compile_call(hopper_prefill_kernel, kernel_call(problem, config, s), 90)
+        ptx = compiled.asm["ptx"]
+        out[name] = {**summarize(compiled, 90).to_dict(), "model_bytes": shared_bytes(s, config),
+                     "fp8_mmas": ptx.count(".e4m3.e4m3"), "bf16_mmas": ptx.count(".bf16.bf16")}
+    return out

@@ -33,9 +33,6 @@ class Sm80Backend(TritonBackend):
     priority = 200
     description = "Triton kernels tuned for NVIDIA sm80+ (A100, L40, H100/H200, B200)"
     policy = staticmethod(sm80_policy)
-    #: Everything the shared kernel computes but an FP8 query: the Hopper kernel has no route for one yet, and
-    #: core's kernel takes it on generic (whose FP8 query path has run in the interpreter, not yet on a GPU).
-    supported_features = TritonBackend.supported_features - {"fp8_query"}
     #: Checked at every selection, so a misspelt value is an error naming the variable on any machine, not only
     #: when a policy runs on sm90.
     environment_variables = (

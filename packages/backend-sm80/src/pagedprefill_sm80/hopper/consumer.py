@@ -1,7 +1,7 @@
 """The Hopper kernel's consumer partitions: for each key tile, ``S = Q K^T`` as a warpgroup MMA straight from
-shared memory, one online-softmax step in registers (core's :func:`~pagedprefill.triton.blocks.scale_logits`
-and :func:`~pagedprefill.triton.blocks.softmax_step`), and ``O += P V`` with P in registers; then the epilogue
-(:mod:`.epilogue`).
+shared memory (on FP8 operands under ``FP8_SCORES``), one online-softmax step in registers (core's
+:func:`~pagedprefill.triton.blocks.scale_logits` and :func:`~pagedprefill.triton.blocks.softmax_step`), and
+``O += P V`` with P in registers; then the epilogue (:mod:`.epilogue`).
 
 A consumer never waits for a load the producer could have issued earlier and meets no CTA-wide barrier in the
 key loop. Under ``PINGPONG`` each of two consumer warpgroups is a partition of its own with half of the tile's
@@ -98,13 +98,17 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
     ring, rows, walk, per_head, scoring, scales, output = consumed
     window, softcap, qk_scale = scoring
     values, tensors = scales
+    if cfg.SCALE_FROM_TENSOR.Q:  # an FP8 q's descale, given as a tensor (as a number it is in qk_scale)
+        qk_scale = qk_scale * gl.load(tensors.q).to(gl.float32)
     qk_scale_cache = qk_scale
     v_scale = 1.0
     if FP8_CACHE:
         qk_scale_cache = qk_scale * scalar_or_load(values.k, tensors.k, cfg.SCALE_FROM_TENSOR.K)
         v_scale = scalar_or_load(values.v, tensors.v, cfg.SCALE_FROM_TENSOR.V)
+    # An MMA instruction takes 32 bytes of each row: 16 keys' columns of 16-bit operands, 32 of FP8 ones.
+    SCORES_K: gl.constexpr = 256 // q_smem.dtype.primitive_bitwidth
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, SCORES_K])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, HEAD_SIZE, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -138,7 +142,7 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
         if FP8_CACHE and from_cache:
             tile_scale = qk_scale_cache
         p_op, alpha, m_i, l_i = softmax_tile(cfg, scores, m_i, l_i, it, q_pos, alibi2, offs_n, rows, walk, kv_len,
-                                             window, softcap, tile_scale, p_layout, q_smem.dtype)
+                                             window, softcap, tile_scale, p_layout, ring.v.dtype)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         if CACHED_VT and from_cache:
             # Cached values arrive transposed (V^T pages) in their own ring, new tokens' values as rows.

@@ -32,17 +32,31 @@ from .producer import producer
 from .state import KernelConfig, KeyWalk, Ring, TileRows
 
 
+@gluon.constexpr_function
+def compute_dtype(q_dtype, widened_to):
+    """The 16-bit type a call computes in: ``q``'s, or the one an FP8 q is widened to (core's
+    ``Features.QUERY_WIDENED_TO``)."""
+    return {"float16": gl.float16, "bfloat16": gl.bfloat16}.get(str(widened_to), q_dtype)
+
+
 @gluon.jit
 def allocate_ring(cfg, v_cache_t, k_cache, dtype: gl.constexpr):
     """The ring's buffers and barriers (:class:`~.state.Ring`), initialised. ``v_cache_t`` names the layout of
-    the split layout's V^T page boxes, ``k_cache`` an FP8 cache's element type."""
+    the split layout's V^T page boxes, ``k_cache`` an FP8 cache's element type. Under ``FP8_SCORES`` the K ring
+    holds the cache's FP8 keys, which the NHD layout's boxes land there directly (no FP8 ring for them)."""
     HEAD_SIZE: gl.constexpr = cfg.LAYOUT.HEAD_SIZE
     BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
     STAGES: gl.constexpr = cfg.TILE.STAGES
     SPLIT: gl.constexpr = cfg.LAYOUT.SPLIT
     FP8_CACHE: gl.constexpr = cfg.LAYOUT.FP8_CACHE
+    FP8_SCORES: gl.constexpr = cfg.SCHEDULE.FP8_SCORES
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_SIZE], dtype)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_SIZE], kv_layout)
+    if FP8_SCORES:
+        k_dtype: gl.constexpr = k_cache.dtype
+        k_smem = gl.allocate_shared_memory(k_dtype, [STAGES, BLOCK_N, HEAD_SIZE],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_SIZE], k_dtype))
+    else:
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_SIZE], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_SIZE], kv_layout)
     if SPLIT and cfg.SCHEDULE.WIDEN_TO_V:
         vt_smem = v_smem  # not read: every tile's values are widened or copied into the V ring
@@ -75,7 +89,10 @@ def allocate_ring(cfg, v_cache_t, k_cache, dtype: gl.constexpr):
             v8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, BLOCK_N // VALUE_BOX * HEAD_SIZE, VALUE_BOX],
                                                 v_cache_t.layout)
         else:
-            k8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, BLOCK_N, HEAD_SIZE], c_layout)
+            if FP8_SCORES and not SPLIT:
+                k8_smem = k_smem  # not read: the keys' boxes land in the K ring
+            else:
+                k8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, BLOCK_N, HEAD_SIZE], c_layout)
             if SPLIT:  # the values as V^T pages, [D, BLOCK_N], by 16-byte copies
                 v8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, HEAD_SIZE, BLOCK_N],
                                                     gl.NVMMASharedLayout.get_default_for([HEAD_SIZE, BLOCK_N], c_dtype))
@@ -86,10 +103,12 @@ def allocate_ring(cfg, v_cache_t, k_cache, dtype: gl.constexpr):
         v8_smem = v_smem
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # Value boxes issued before the keys' loads: a cached tile's barrier then waits for the boxes' expect and for
+    # an arrival after the keys' stores (a new-token tile's arrives twice at once). FP8_SCORES (NHD): for the keys'
+    # boxes' expect and an arrival after the values are widened.
+    TWO_ARRIVALS: gl.constexpr = cfg.SCHEDULE.VALUES_FIRST or (FP8_SCORES and not SPLIT)
     for i in gl.static_range(STAGES):
-        # Value boxes issued before the keys' loads: a cached tile's barrier then waits for the boxes' expect and
-        # for an arrival after the keys' stores (a new-token tile's arrives twice at once).
-        mbarrier.init(ready.index(i), count=2 if cfg.SCHEDULE.VALUES_FIRST else 1)
+        mbarrier.init(ready.index(i), count=2 if TWO_ARRIVALS else 1)
         mbarrier.init(empty.index(i), count=cfg.CONSUMERS)  # every consumer hands the buffer back
     ready8 = ready  # an FP8 cache: the FP8 ring's own barriers (its bytes landed), seen by the producer only
     if FP8_CACHE:
@@ -182,13 +201,16 @@ def hopper_prefill_kernel(
         # Columns past a padded head are zeros: the keys' columns there (zeros too) add nothing to the scores.
         q_ok = q_ok & gl.expand_dims(offs_d < LAYOUT.HEAD_DIM, 0)
     q = gl.load(Q + q_off, mask=q_ok, other=0.0)
+    # The 16-bit type of the MMAs' operands (the V ring, P), whatever q's type.
+    dtype: gl.constexpr = compute_dtype(Q.dtype.element_ty, FEATURES.QUERY_WIDENED_TO)
+    if not SCHEDULE.FP8_SCORES:  # an FP8 q is widened exactly, its descale in the logits' scale
+        q = q.to(dtype)
 
     table_width, num_blocks = extents.table_width, extents.num_blocks
     walk = key_walk(cfg, rows, window, table_width, num_blocks)
 
-    dtype: gl.constexpr = Q.dtype.element_ty
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_SIZE],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_SIZE], dtype), q)
+    q_smem = gl.allocate_shared_memory(q.dtype, [BLOCK_M, HEAD_SIZE],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_SIZE], q.dtype), q)
     ring = allocate_ring(cfg, v_cache_t, k_cache, dtype)
     table = (cache[2] + seq.to(gl.int64) * strides.table_seq, table_width, num_blocks)
     sources = (k_cache, v_cache, k_new, v_new, v_cache_t,

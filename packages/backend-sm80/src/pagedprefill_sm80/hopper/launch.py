@@ -231,8 +231,10 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
         return None
     opts = p.options
     softcap = float(opts.softcap)
-    qk_scale = p.sm_scale if softcap > 0 else p.sm_scale * LOG2E.value  # the kernel's logits are log2-domain
     scales, scale_from_tensor = scale_arguments(p)
+    # The softmax scale with an FP8 query's descale (given as a number) folded in; the kernel's logits are
+    # log2-domain.
+    qk_scale = scales.softmax if softcap > 0 else scales.softmax * LOG2E.value
     flags = hopper_schedule.resolve(shape, config, schedule)
     if flags["FP8_BOXES"] and not _key_pages_fit(p.cache.key):
         # A key cache that the page boxes cannot describe (not contiguous from its block dimension in) takes the

@@ -170,16 +170,20 @@ def copy_rows(desc, row, kv_head, col, barrier, tile, start, ROWS: gl.constexpr,
 
 @gluon.jit
 def cached_boxes(k_cache, v_cache, table, kv_head, col, n0, barrier, k_dst, v_dst, TILE_BYTES: gl.constexpr,
-                 PAGE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_SIZE: gl.constexpr, PADDED: gl.constexpr):
+                 PAGE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_SIZE: gl.constexpr, PADDED: gl.constexpr,
+                 KEYS: gl.constexpr = True, VALUES: gl.constexpr = True):
     """One NHD tile of cached keys and values by TMA into ``k_dst``/``v_dst``, one box per page (or per tile
-    when a page holds several), counted in bytes by ``barrier`` (``TILE_BYTES`` for K and V together)."""
+    when a page holds several), counted in bytes by ``barrier`` (``TILE_BYTES`` for what it copies); the keys
+    alone (``VALUES`` off) or the values alone (``KEYS`` off) where they go to different rings."""
     BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
     mbarrier.expect(barrier, TILE_BYTES)
     for b in gl.static_range(BLOCK_N // BOX):
         pos = n0 + b * BOX
         row = page_blocks(table, pos, PAGE) * PAGE + pos % PAGE
-        copy_rows(k_cache, row, kv_head, col, barrier, k_dst, b * BOX, BOX, BLOCK_N, HEAD_SIZE, PADDED)
-        copy_rows(v_cache, row, kv_head, col, barrier, v_dst, b * BOX, BOX, BLOCK_N, HEAD_SIZE, PADDED)
+        if KEYS:
+            copy_rows(k_cache, row, kv_head, col, barrier, k_dst, b * BOX, BOX, BLOCK_N, HEAD_SIZE, PADDED)
+        if VALUES:
+            copy_rows(v_cache, row, kv_head, col, barrier, v_dst, b * BOX, BOX, BLOCK_N, HEAD_SIZE, PADDED)
 
 
 @gluon.jit
@@ -242,7 +246,8 @@ def widen(src, dst, COLS: gl.constexpr, NUM_WARPS: gl.constexpr, VIA_F32: gl.con
           BLOCK_WIDTH: gl.constexpr = 0, ROW_BLOCKS: gl.constexpr = 1, TRANSPOSED: gl.constexpr = False):
     """Copy an FP8 key or value tile ``src`` (``COLS`` columns: the head size, or the keys of a V^T tile) into
     ``dst`` in the MMA's 16-bit type, exactly (every FP8 value is a bfloat16 and a float16 value; the cache's
-    scales are folded into the logits and the output instead). Each thread moves 16 bytes of FP8 at a time.
+    scales are folded into the logits and the output instead), or in FP8 as it is, laid out for an FP8 MMA
+    (the split layout's keys under ``FP8_SCORES``). Each thread moves 16 bytes of FP8 at a time.
 
     ``VIA_F32`` (a bfloat16 ``dst``): through float16 and float32, every step exact. The direct conversion
     compiles for sm90 to a packed FP8-to-float16 conversion and then one scalar float16-to-bfloat16 conversion

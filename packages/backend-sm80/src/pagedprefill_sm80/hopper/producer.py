@@ -86,21 +86,38 @@ def fp8_cached_tile(cfg, sources, table, kv_head, col, n0, barrier, k_dst, v_dst
     PAGE: gl.constexpr = cfg.LAYOUT.PAGE
     BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
     k_cache, v_cache, _, _, v_cache_t, split_keys, split_values = sources
-    TILE_BYTES: gl.constexpr = 2 * BLOCK_N * HEAD_SIZE * v_cache_t.dtype.primitive_bitwidth // 8
+    HALF_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * v_cache_t.dtype.primitive_bitwidth // 8
     if cfg.LAYOUT.SPLIT and cfg.SCHEDULE.FP8_BOXES:
         split_boxed_tile(k_cache, split_keys, v_cache_t, table, kv_head, col, n0, split_values[1], barrier, k_dst,
                          v_dst, HEAD_SIZE, PAGE, BLOCK_N, cfg.LAYOUT.X)
     elif cfg.LAYOUT.SPLIT:
         split_cached_tile(cfg, sources, table, kv_head, col, n0, barrier, k_dst, v_dst, True, False, k_dst)
+    elif cfg.SCHEDULE.FP8_SCORES:  # the values alone: the keys' boxes land in the K ring (keys_to_ring)
+        cached_boxes(k_cache, v_cache, table, kv_head, col, n0, barrier, k_dst, v_dst, HALF_BYTES, PAGE, BLOCK_N,
+                     HEAD_SIZE, cfg.PADDED, KEYS=False)
     else:
-        cached_boxes(k_cache, v_cache, table, kv_head, col, n0, barrier, k_dst, v_dst, TILE_BYTES, PAGE, BLOCK_N,
+        cached_boxes(k_cache, v_cache, table, kv_head, col, n0, barrier, k_dst, v_dst, 2 * HALF_BYTES, PAGE, BLOCK_N,
                      HEAD_SIZE, cfg.PADDED)
+
+
+@gluon.jit
+def keys_to_ring(cfg, sources, table, kv_head, col, n0, barrier, k_dst):
+    """``FP8_SCORES`` in the NHD layout: one tile of cached FP8 keys by TMA straight into the K ring's ``k_dst``
+    (the MMA reads them as they are), counted in bytes by ``barrier``."""
+    HEAD_SIZE: gl.constexpr = cfg.LAYOUT.HEAD_SIZE
+    BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
+    k_cache, v_cache, _, _, _, _, _ = sources
+    KEY_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * k_dst.dtype.primitive_bitwidth // 8
+    cached_boxes(k_cache, v_cache, table, kv_head, col, n0, barrier, k_dst, k_dst, KEY_BYTES, cfg.LAYOUT.PAGE,
+                 BLOCK_N, HEAD_SIZE, cfg.PADDED, VALUES=False)
 
 
 @gluon.jit
 def widen_tile(cfg, ring, s):
     """Widen the FP8 ring's tile in buffer ``s`` into the 16-bit ring: the keys, and the values into V^T (split
-    layout), or into V (NHD, and the split layout under ``WIDEN_TO_V``); page blocks under ``FP8_BOXES``."""
+    layout), or into V (NHD, and the split layout under ``WIDEN_TO_V``); page blocks under ``FP8_BOXES``. Under
+    ``FP8_SCORES`` the K ring is FP8: the split layout's keys are only laid out for the MMA there (the NHD
+    layout's are there already)."""
     HEAD_SIZE: gl.constexpr = cfg.LAYOUT.HEAD_SIZE
     PAGE: gl.constexpr = cfg.LAYOUT.PAGE
     BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
@@ -110,10 +127,11 @@ def widen_tile(cfg, ring, s):
     k_dst = ring.k.index(s)
     # FP8_BOXES: from the boxes' blocks, the keys by pages of 16-byte columns, V^T by pages.
     VALUE_BLOCK: gl.constexpr = (PAGE if PAGE < BLOCK_N else BLOCK_N) if FP8_BOXES else 0
+    KEYS_VIA_F32: gl.constexpr = F32_WIDENING and not cfg.SCHEDULE.FP8_SCORES
     if FP8_BOXES:
-        widen(ring.k8.index(s), k_dst, HEAD_SIZE, WARPS, F32_WIDENING, cfg.LAYOUT.X, BLOCK_N // VALUE_BLOCK)
-    else:
-        widen(ring.k8.index(s), k_dst, HEAD_SIZE, WARPS, F32_WIDENING)
+        widen(ring.k8.index(s), k_dst, HEAD_SIZE, WARPS, KEYS_VIA_F32, cfg.LAYOUT.X, BLOCK_N // VALUE_BLOCK)
+    elif cfg.LAYOUT.SPLIT or not cfg.SCHEDULE.FP8_SCORES:
+        widen(ring.k8.index(s), k_dst, HEAD_SIZE, WARPS, KEYS_VIA_F32)
     if cfg.SCHEDULE.WIDEN_TO_V:  # V^T in FP8, V in the 16-bit ring
         widen(ring.v8.index(s), ring.v.index(s), BLOCK_N, WARPS, F32_WIDENING, VALUE_BLOCK, 1, True)
     elif cfg.LAYOUT.SPLIT:  # V^T, [D, BLOCK_N]
@@ -173,6 +191,9 @@ def producer(cfg, sources, ring, table, rows, walk):
         k_dst = ring.k.index(s)
         if it < cache_tiles:
             if FP8_CACHE:
+                if cfg.SCHEDULE.FP8_SCORES and not cfg.LAYOUT.SPLIT:
+                    keys_to_ring(cfg, sources, table, kv_head, col, cache_start + it * BLOCK_N, ring.ready.index(s),
+                                 k_dst)
                 mbarrier.wait(ring.ready8.index(s), (it // STAGES) & 1)
                 widen_tile(cfg, ring, s)
                 # The stores are ordered before the consumers' MMA reads, and every warp is done with the FP8

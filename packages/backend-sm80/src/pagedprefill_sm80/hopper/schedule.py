@@ -27,6 +27,11 @@ has the figures of these and of the variants that lost and were removed):
   ring, transposed, which frees the V^T ring's room for 128-key tiles.
 * ``FUSED_SCALE`` (no softcap, no ALiBi): each row's maximum on the raw scores, and each key's scale and
   subtraction of the maximum as one fused multiply-add.
+* ``FP8_SCORES`` (an FP8 e4m3 query on an e4m3 cache holding every key, ``k = v = None``): ``Q K^T`` on FP8
+  warpgroup MMAs (twice the 16-bit rate), the query and the cached keys in shared memory as they are, so that
+  the producer widens only the values; ``P V`` stays 16-bit. Against the query widened as it is loaded: 1.26 x
+  (NHD) and 1.13 x (split) on the prefix-cached row, 1.10 x at head size 64, with the same error against a
+  float64 oracle (2.2-2.4e-3 relative L2 from 1k to 128k keys).
 
 An FP8 cache is always widened by the producer warpgroup, once per tile, into the 16-bit ring both
 consumers read.
@@ -55,7 +60,7 @@ FP8_CACHES = (KVCacheDType.FP8_E4M3, KVCacheDType.FP8_E5M2)
 #: Every flag, with its value before a route's flags and the resolution apply.
 DEFAULTS = dict(HEAVY_FIRST=True, PINGPONG=True, WIDE_PRODUCER=False, KEY_LOADS=False, VALUES_FIRST=False,
                 WIDE_KEY_CHUNKS=False, EARLY_KEYS=False, F32_WIDENING=True, FP8_BOXES=False, WIDEN_TO_V=False,
-                FUSED_SCALE=True)
+                FUSED_SCALE=True, FP8_SCORES=True)
 
 #: Schedule flags read from the environment at each bind (``"KEY_LOADS=1,EARLY_KEYS=0"``), over the route's
 #: flags and under a caller's own: for running a suite or the bench under a schedule that is not a route's
@@ -96,6 +101,7 @@ class Schedule(NamedTuple):
     FP8_BOXES: bool
     WIDEN_TO_V: bool
     FUSED_SCALE: bool
+    FP8_SCORES: bool
     PRODUCER_WARPS: int
     PRODUCER_REGS: int
     CONSUMER_REGS: int
@@ -180,8 +186,17 @@ def resolve(shape: ProblemShape, config: TileConfig, schedule: Optional[dict] = 
     flags["FP8_BOXES"] = bool(flags["FP8_BOXES"]) and split and fp8 and shape.head_size not in PADDED_HEADS
     flags["WIDEN_TO_V"] = bool(flags["WIDEN_TO_V"]) and split and fp8
     flags["FUSED_SCALE"] = bool(flags["FUSED_SCALE"])
+    flags["FP8_SCORES"] = bool(flags["FP8_SCORES"]) and fp8_scores_fit(shape)
     flags["HEAVY_FIRST"] = bool(flags["HEAVY_FIRST"])
     return flags
+
+
+def fp8_scores_fit(shape: ProblemShape) -> bool:
+    """Whether calls of ``shape`` can take ``FP8_SCORES``: an FP8 query (e4m3) and an e4m3 cache holding every key
+    (``k = v = None``: a new token's 16-bit key would need a 16-bit query), at a head size that fills the tile (a
+    padded head's boxes are 16-bit only)."""
+    return (shape.fp8_query and shape.kv_in_cache and shape.kv_cache_dtype is KVCacheDType.FP8_E4M3
+            and shape.head_size not in PADDED_HEADS)
 
 
 def key_chunk(flags: dict) -> int:
@@ -212,24 +227,27 @@ def kernel_schedule(flags: dict, shape: ProblemShape, config: TileConfig) -> Sch
     return Schedule(HEAVY_FIRST=flags["HEAVY_FIRST"], PINGPONG=flags["PINGPONG"], KEY_LOADS=key_chunk(flags),
                     VALUES_FIRST=flags["VALUES_FIRST"], EARLY_KEYS=flags["EARLY_KEYS"],
                     F32_WIDENING=flags["F32_WIDENING"], FP8_BOXES=flags["FP8_BOXES"], WIDEN_TO_V=flags["WIDEN_TO_V"],
-                    FUSED_SCALE=flags["FUSED_SCALE"], PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs,
-                    CONSUMER_REGS=consumer_regs)
+                    FUSED_SCALE=flags["FUSED_SCALE"], FP8_SCORES=flags["FP8_SCORES"],
+                    PRODUCER_WARPS=producer_warps,
+                    PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs)
 
 
 def shared_bytes(shape: ProblemShape, config: TileConfig, schedule: Optional[dict] = None) -> int:
     """Bytes of shared memory the kernel allocates for calls of ``shape`` with ``config``: the Q tile, the K/V
     ring, the split layout's ring of V^T pages (unless its FP8 values are widened into the V ring), an FP8
-    cache's own ring, and 1 KiB for the barriers (they take about 0.3 KiB). Within that margin of what Triton
-    allocates for every policy tile (``ci/codegen_report.py``). ``schedule``: flags over the route's
-    (:func:`resolve`)."""
+    cache's own ring (the values alone where ``FP8_SCORES`` lands NHD keys in the K ring), and 1 KiB for the
+    barriers (they take about 0.3 KiB). Within that margin of what Triton allocates for every policy tile
+    (``ci/codegen_report.py``). ``schedule``: flags over the route's (:func:`resolve`)."""
     flags = resolve(shape, config, schedule)
     d = PADDED_HEADS.get(shape.head_size, shape.head_size)
     tile = config.block_n * d * 2  # one K or V tile in the input's 16-bit type
-    total = config.block_m * d * 2 + config.num_stages * 2 * tile
+    scores_bytes = 1 if flags["FP8_SCORES"] else 2  # the Q tile and the K ring, FP8 under FP8_SCORES
+    total = config.block_m * d * scores_bytes + config.num_stages * (tile + config.block_n * d * scores_bytes)
     if shape.layout is KVLayout.SPLIT and not flags["WIDEN_TO_V"]:
         total += config.num_stages * tile  # the cached values' V^T ring beside the new tokens' V ring
     if shape.kv_cache_dtype.is_fp8:
-        total += config.num_stages * 2 * config.block_n * d  # the FP8 ring
+        fp8_tiles = 1 if flags["FP8_SCORES"] and shape.layout is KVLayout.NHD else 2
+        total += config.num_stages * fp8_tiles * config.block_n * d  # the FP8 ring
     return total + 1024
 
 
