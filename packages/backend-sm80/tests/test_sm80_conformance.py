@@ -4,16 +4,21 @@ import pytest
 import torch
 from pagedprefill import DeviceInfo
 from pagedprefill.testing import ConformanceSuite
+from pagedprefill.types import KVCacheDType
 
 
 class TestSm80Conformance(ConformanceSuite):
     backend = "sm80"
 
     def _skip_reason(self, spec, device, case=None):
-        if spec.fp8_query and device.type == "cpu":
-            # core's test_fp8_query checks that an A100 refuses it by name; generic's CPU suite runs the same kernel.
-            return ("an FP8 q needs compute capability 8.9 or later (Triton has no e4m3 type before it), and the "
-                    "interpreter runs sm80's policy for a described A100; GPUs of sm89 and later run these cases")
+        e4m3 = spec.fp8_query or KVCacheDType.parse(spec.kv_cache_dtype) is KVCacheDType.FP8_E4M3 \
+            or spec.fp8_out_scale is not None
+        if e4m3 and device.type == "cpu":
+            # core's test_fp8_query checks that an A100 refuses them by name; generic's CPU suite runs the same
+            # kernel on them.
+            return ("e4m3 values (an FP8 q, an e4m3 cache or an FP8 output) need compute capability 8.9 or later "
+                    "(Triton has no e4m3 type before it), and the interpreter runs sm80's policy for a described "
+                    "A100; GPUs of sm89 and later run these cases")
         return super()._skip_reason(spec, device, case)
 
     def device_info(self, device: torch.device) -> DeviceInfo:

@@ -9,7 +9,7 @@ from ..device import DeviceInfo, interpreter_enabled, interpreter_unready, trito
 from ..registry import Backend, UnsupportedFeatureError
 from ..tiling import ProblemShape, TileConfig, problem_shape  # problem_shape: still importable from here
 from ..tuning import tables_state
-from ..types import FEATURES, FP8_QUERY_DTYPES, PrefillProblem
+from ..types import FEATURES, FP8_QUERY_DTYPES, KVCacheDType, PrefillProblem
 from ..validation import dtype_name
 
 
@@ -22,6 +22,20 @@ def spec_shape(spec, twin) -> ProblemShape:
     shape = problem_shape(make_problem(twin))
     return dataclasses.replace(shape, num_tokens=sum(spec.query_lens), num_seqs=len(spec.query_lens),
                                max_query_len=max(spec.query_lens))
+
+
+def e4m3_arguments(problem: PrefillProblem) -> list[tuple[str, str]]:
+    """``(the argument, what to pass instead)`` for each of ``problem``'s e4m3 tensors: its query, its cache, its
+    output."""
+    out = []
+    if problem.q.dtype in FP8_QUERY_DTYPES:
+        out.append(("q: dtype float8_e4m3fn", "pass q in the 16-bit type"))
+    if problem.cache.dtype is KVCacheDType.FP8_E4M3:
+        out.append((f"kv_cache_dtype={problem.cache.dtype.value!r}", "use kv_cache_dtype='fp8_e5m2' or an "
+                                                                     "unquantised cache"))
+    if problem.options.fp8_out_scale is not None:
+        out.append(("fp8_out_scale (an FP8 e4m3 output)", "leave fp8_out_scale unset for a 16-bit output"))
+    return out
 
 
 class TritonBackend(Backend):
@@ -92,15 +106,17 @@ class TritonBackend(Backend):
         return compile_for_target(problem, config, capability)
 
     def check_problem(self, problem: PrefillProblem, device: DeviceInfo) -> None:
-        """Refuse a problem whose smallest tile cannot fit the device's shared memory, or an FP8 q on an NVIDIA
-        GPU before sm89 (the optional features outside :attr:`supported_features` are refused before, by
-        :func:`pagedprefill.features.check_runnable`)."""
-        if problem.q.dtype in FP8_QUERY_DTYPES and device.vendor == "nvidia" and (0, 0) < device.capability < (8, 9):
-            cap = f"{device.capability[0]}.{device.capability[1]}"
-            raise UnsupportedFeatureError(
-                f"q: dtype float8_e4m3fn needs an NVIDIA GPU of compute capability 8.9 or later (Triton has no e4m3 "
-                f"type before it), but {device.name} is {cap}; pass q in the 16-bit type, or use "
-                f"backend='reference'")
+        """Refuse a problem whose smallest tile cannot fit the device's shared memory, or one with e4m3 values (an
+        FP8 q, an e4m3 cache, an FP8 output) on an NVIDIA GPU before sm89 (the optional features outside
+        :attr:`supported_features` are refused before, by :func:`pagedprefill.features.check_runnable`)."""
+        if device.vendor == "nvidia" and (0, 0) < device.capability < (8, 9):
+            e4m3 = e4m3_arguments(problem)
+            if e4m3:
+                cap = f"{device.capability[0]}.{device.capability[1]}"
+                raise UnsupportedFeatureError(
+                    f"{' and '.join(what for what, _ in e4m3)} need{'s' if len(e4m3) == 1 else ''} an NVIDIA GPU of "
+                    f"compute capability 8.9 or later (Triton has no e4m3 type before it), but {device.name} is "
+                    f"{cap}; {', '.join(instead for _, instead in e4m3)}, or use backend='reference'")
         if device.type == "cpu" or not device.max_shared_mem:
             return
         shape = problem_shape(problem)
