@@ -187,7 +187,7 @@ def classic_twin(problem: PrefillProblem, layout: str = "nhd") -> PrefillProblem
     if layout not in ("nhd", "split"):
         raise ValueError(f"layout: expected 'nhd' or 'split', got {layout!r}")
     b = problem.batch
-    seq, ctx = b.seq_lens.tolist(), b.context_lens.tolist()
+    seq, ctx = b.seq_lens.tolist(), b.context_lengths().tolist()
     slots = new_token_slots([s - c for s, c in zip(seq, ctx)], ctx, b.block_table, problem.cache.block_size)
     k, v = _read_slots(problem.cache, slots.to(problem.device), problem.q.dtype)
     cache = problem.cache if layout == "nhd" else _split_copy(problem.cache)

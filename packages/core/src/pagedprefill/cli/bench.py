@@ -67,7 +67,7 @@ def sdpa_peers(problem: PrefillProblem) -> dict[str, Callable[[], object]]:
     b = p.batch
     group = p.num_heads // p.num_kv_heads
     seqs = []
-    for i, (s, c) in enumerate(zip(b.seq_lens.tolist(), b.context_lens.tolist())):
+    for i, (s, c) in enumerate(zip(b.seq_lens.tolist(), b.context_lengths().tolist())):
         n = s - c
         if n == 0:
             continue

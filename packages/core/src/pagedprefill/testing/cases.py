@@ -248,7 +248,7 @@ def written_rows(problem: PrefillProblem) -> torch.Tensor:
     b = problem.batch
     mask = torch.zeros(problem.num_tokens, dtype=torch.bool)
     starts = b.query_start.tolist()
-    for i, (seq, ctx) in enumerate(zip(b.seq_lens.tolist(), b.context_lens.tolist())):
+    for i, (seq, ctx) in enumerate(zip(b.seq_lens.tolist(), b.context_lengths().tolist())):
         n = seq - ctx
         if n > 0 and not (problem.options.skip_decode and n == 1):
             mask[starts[i]:starts[i] + n] = True

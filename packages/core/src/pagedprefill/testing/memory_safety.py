@@ -85,7 +85,7 @@ def corrupt_variants(p: PrefillProblem) -> dict[str, dict]:
     width, bs, nb = b.block_table.shape[1], p.cache.block_size, p.cache.num_blocks
     table = b.block_table.to("cpu", torch.int64)
     seq = b.seq_lens.to("cpu", torch.int64)
-    ctx = b.context_lens.to("cpu", torch.int64)
+    ctx = b.context_lengths().to("cpu", torch.int64)
     start = b.query_start.to("cpu", torch.int64)
     q_lens = seq - ctx
     wild = torch.randint(i32.min, i32.max, tuple(table.shape), generator=g, dtype=torch.int64)
