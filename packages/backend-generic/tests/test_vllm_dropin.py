@@ -2,14 +2,21 @@
 (split K cache with x = 8 for every dtype; FP8 caches as uint8 bytes or a float8 tensor viewed as uint8) and
 N(0, 1) data, against torch's float64 SDPA on the values the cache holds. bfloat16 runs on GPUs only (the
 interpreter's bf16 dot is not exact); its construction is covered on the reference in core's tests.
+
+The kernels derive the context lengths from ``b_start_loc`` and ``b_seq_len``: checked against the reference
+given those lengths, with new keys passed or in the cache, skipped decode rows, and split keys.
 """
 
 import os
 
 import pytest
 import torch
-from pagedprefill import vllm
+from pagedprefill import plans, vllm
+from pagedprefill.api import get_registry
+from pagedprefill.testing import BatchSpec, make_problem
+from pagedprefill.testing.cases import DEFAULT_TOLERANCES, assert_matches_reference
 from pagedprefill.testing.vllm_batches import sdpa_reference, vllm_batch
+from pagedprefill.triton import launch
 
 TOLERANCES = {torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2), torch.float32: (2e-4, 2e-4)}
 
@@ -70,3 +77,45 @@ def test_options_run_and_match_the_reference(option, device):
     if option == "fp8_out_scale":
         atol, rtol = 0.0, 0.13  # at most one FP8 step (12.5%) apart: rounding of slightly different sums
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+
+
+#: Decode rows, sequences without context, one without new tokens, and a context of several key tiles.
+ENGINE_LENGTHS = dict(query_lens=(1, 6, 1, 13, 0, 37), context_lens=(20, 0, 0, 3, 5, 300))
+
+
+@pytest.fixture
+def no_plans():
+    plans.forget()  # a plan of another test's tile must not serve these calls
+    yield
+    plans.forget()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("key_splits", [1, 3])
+@pytest.mark.parametrize("options", [{}, dict(kv_in_cache=True), dict(skip_decode=True),
+                                     dict(kv_in_cache=True, skip_decode=True, layout="split")],
+                         ids=["kv_given", "kv_in_cache", "skip_decode", "kv_in_cache_skip_decode_split"])
+def test_derived_context_lengths_match_the_reference(options, key_splits, dtype, device, monkeypatch, no_plans):
+    """The call hands the kernels no context lengths (they derive them); the reference gets them explicitly."""
+    spec = BatchSpec(**ENGINE_LENGTHS, num_heads=4, num_kv_heads=2, head_size=32, block_size=16, dtype=dtype, seed=3,
+                     **options)
+    given = make_problem(spec, device)
+    generic = get_registry().get("generic")
+    policy_tile = generic.tile_config
+    monkeypatch.setattr(generic, "tile_config",
+                        lambda shape, info: policy_tile(shape, info).with_(key_splits=key_splits))
+    launched = []
+    jit_launch = launch.jit_launch
+
+    def seen(kernel, call, device):  # each launch's flag and splits: the kernel, then the combine of split keys
+        launched.append((call.constexprs["FEATURES"].CONTEXT_FROM_STARTS, call.constexprs["TILE"].KEY_SPLITS))
+        return jit_launch(kernel, call, device)
+
+    monkeypatch.setattr(launch, "jit_launch", seen)
+    c, b = given.cache, given.batch
+    vllm.context_attention_fwd(given.q, given.k, given.v, given.out, "auto", c.key, c.value, b.block_table,
+                               b.query_start, b.seq_lens, None, None, 1.0, 1.0,
+                               skip_decode=given.options.skip_decode, backend="generic")
+    assert launched == [(True, key_splits)] * (1 if key_splits == 1 else 2)
+    atol, rtol = DEFAULT_TOLERANCES[dtype]
+    assert_matches_reference(given.out, given, atol, rtol, label=spec.describe())

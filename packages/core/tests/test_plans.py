@@ -80,6 +80,19 @@ def test_a_call_changing_only_qs_dtype_is_validated(counting, dtype):
     assert backend.runs == 1 and calls["validate"] == 2
 
 
+def test_a_batch_without_context_lengths_has_a_signature_of_its_own(counting):
+    """The kernels derive missing context lengths under a flag of their own: a batch that gives them and one that
+    does not (the same tensors otherwise) are two signatures, each validated and planned for itself."""
+    backend, calls = counting
+    given = make_problem(SPEC)
+    derived = dataclasses.replace(given, batch=dataclasses.replace(given.batch, context_lens=None))
+    assert plans.call_signature(given, backend, None) != plans.call_signature(derived, backend, None)
+    api.dispatch(given, backend=backend)
+    api.dispatch(derived, backend=backend)
+    api.dispatch(derived, backend=backend)
+    assert backend.runs == 3 and calls["validate"] == 2
+
+
 def test_full_validation_never_uses_a_plan(counting):
     backend, calls = counting
     p = make_problem(SPEC)

@@ -83,7 +83,7 @@ def oracle(problem: pp.PrefillProblem) -> torch.Tensor:
     kc, vc = _decoded_cache(p.cache)
     bs = p.cache.block_size
     table = p.batch.block_table.tolist()
-    seq_lens, ctx_lens, starts = (p.batch.seq_lens.tolist(), p.batch.context_lens.tolist(),
+    seq_lens, ctx_lens, starts = (p.batch.seq_lens.tolist(), p.batch.context_lengths().tolist(),
                                   p.batch.query_start.tolist())
     opts = p.options
     sm_scale = opts.sm_scale if opts.sm_scale is not None else 1.0 / math.sqrt(D)
@@ -187,6 +187,7 @@ def test_feature_matrix_covers_every_dtype_and_option():
     assert {s.x for s in specs if s.layout == "split"} >= {None, 1, 2, 4, 8, 16}
     assert any(s.kv_in_cache for s in specs) and any(not s.causal for s in specs)
     assert any(s.skip_decode for s in specs) and any(s.fp8_out_scale for s in specs)
+    assert any(s.context_from_starts for s in specs)
 
 
 @pytest.mark.parametrize("seed", [3, 11, 41, 47, 64, 80, 84, 110])

@@ -645,6 +645,44 @@ def test_native_errors_name_the_native_arguments():
             pp.prefill_attention(p.q, p.k, p.v, p.cache, batch, backend="reference", validate="full")
 
 
+def test_context_lengths_are_the_given_tensor_or_derived_from_the_starts():
+    p, query_lens, context_lens, table = _native_parts()
+    given = pp.BatchMetadata.from_lengths(query_lens, context_lens, table)
+    assert given.context_lengths() is given.context_lens
+    derived = dataclasses.replace(given, context_lens=None, query_start=given.query_start.long())
+    lengths = derived.context_lengths()
+    assert lengths.dtype == given.seq_lens.dtype and lengths.tolist() == list(context_lens)
+    short = dataclasses.replace(derived, query_start=derived.query_start[:-1])
+    with pytest.raises(ValueError, match=r"^query_start: expected shape \[6\] \(num_seqs \+ 1 entries: context lengths "
+                                         r"are derived from consecutive starts\), got \[5\]$"):
+        short.context_lengths()
+
+
+def test_a_batch_without_context_lengths_is_checked_on_its_starts():
+    """``context_lens=None`` (derived from the starts) needs ``B + 1`` starts; the values checks read the derived
+    lengths, and a negative one is reported on ``seq_lens``, the argument that implies it."""
+    p, query_lens, context_lens, table = _native_parts()
+    given = pp.BatchMetadata.from_lengths(query_lens, context_lens, table)
+    derived = dataclasses.replace(given, context_lens=None)
+    expected = pp.prefill_attention(p.q, p.k, p.v, p.cache, given, backend="reference", validate="full")
+    got = pp.prefill_attention(p.q, p.k, p.v, p.cache, derived, backend="reference", validate="full")
+    assert torch.equal(got, expected)
+    short = dataclasses.replace(derived, seq_lens=derived.seq_lens.clone())
+    short.seq_lens[2] = 16  # sequence 2 has 17 new tokens
+    checks = [
+        (dataclasses.replace(derived, query_start=derived.query_start[:5]), "basic",
+         r"^query_start: expected shape \[6\] \(num_seqs \+ 1 entries: query lengths are the differences of "
+         r"consecutive starts\), got \[5\]$"),
+        (dataclasses.replace(derived, query_start=derived.query_start[None]), "basic",
+         r"^query_start: expected a 1-D tensor \[num_seqs \+ 1\], got shape \[1, 6\]$"),
+        (short, "full", r"^seq_lens: expected seq_lens\[i\] >= query_start\[i \+ 1\] - query_start\[i\] \(the new "
+                        r"tokens of sequence i\), got seq_lens\[2\]=16 < 17$"),
+    ]
+    for batch, validate, pattern in checks:
+        with pytest.raises(ValueError, match=pattern):
+            pp.prefill_attention(p.q, p.k, p.v, p.cache, batch, backend="reference", validate=validate)
+
+
 def test_custom_operator_errors_name_its_arguments():
     """The operators' arguments are called block_table, query_start...: errors say so too."""
     p = make_problem(NHD)

@@ -6,7 +6,9 @@
   explicit ``b_ctx_len``;
 * each option (``skip_decode``, ``fp8_out_scale``, ``causal=False``, ``k = v = None``) gives exactly the
   native API's output with the same option;
-* ``is_block_table_ptr=True`` and a ``b_start_loc`` without ``B + 1`` entries are refused, naming the argument.
+* ``is_block_table_ptr=True`` and a ``b_start_loc`` without ``B + 1`` entries are refused, naming the argument;
+* the call hands the kernels no context lengths (they derive them), and a repeated call launches its plan
+  without running any PyTorch operation.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ import inspect
 import pagedprefill as pp
 import pytest
 import torch
-from pagedprefill import vllm
+from pagedprefill import plans, vllm
 from pagedprefill.testing import BatchSpec, fresh_output, make_problem
 from pagedprefill.testing.cases import FP8_OUT_TOLERANCE, written_rows
 from pagedprefill.testing.vllm_batches import sdpa_reference, vllm_batch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 QUERY_LENS = (19, 1, 33, 4, 1)
 CTX_LENS = (40, 17, 0, 70, 5)
@@ -122,11 +125,67 @@ def test_is_block_table_ptr_is_refused():
     assert torch.isnan(batch["o"]).all()
 
 
-def test_start_loc_needs_b_plus_1_entries():
+@pytest.mark.parametrize("validate", ["basic", "full"])
+def test_start_loc_needs_b_plus_1_entries(validate):
     batch = vllm_batch(QUERY_LENS, CTX_LENS)
-    with pytest.raises(ValueError, match=r"^b_start_loc: expected shape \[6\] \(num_seqs \+ 1 entries: query "
-                                         r"lengths are the differences of consecutive starts\), got \[5\]$"):
-        call(batch, b_start_loc=batch["b_start_loc"][:5])
+    starts = batch["b_start_loc"]
+    for bad, error, message in (
+            (starts[:5], ValueError, r"expected shape \[6\] \(num_seqs \+ 1 entries: query lengths are the differences "
+                                     r"of consecutive starts\), got \[5\]"),
+            (starts[None], ValueError, r"expected a 1-D tensor \[num_seqs \+ 1\], got shape \[1, 6\]"),
+            (starts.float(), TypeError, r"expected dtype int32 or int64, got float32"),
+            (torch.empty(6, dtype=starts.dtype, device="meta"), ValueError,
+             r"expected a tensor on cpu \(the device of q\), got one on meta"),
+            (starts.tolist(), TypeError, r"expected a torch.Tensor, got list")):
+        with pytest.raises(error, match=rf"^b_start_loc: {message}$"):
+            call(batch, b_start_loc=bad, validate=validate)
+    assert torch.isnan(batch["o"]).all()
+
+
+class AtenOperations(TorchDispatchMode):
+    """The names of the PyTorch operations run while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The generic backend on the CPU with its kernel launch stubbed: ``(problems bound, tensors launched)``. The
+    dispatch, the plan and the launch's arguments (``call_tensors``) are the real ones."""
+    from pagedprefill.triton import launch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the generic backend takes CPU tensors in the interpreter
+    bound, launched = [], []
+
+    def bind_launch(problem, config, shape=None):  # a compiled kernel that computes nothing
+        bound.append(problem)
+        return lambda tensors: launched.append(tensors) or True
+
+    monkeypatch.setattr(launch, "bind_launch", bind_launch)
+    plans.forget()
+    yield bound, launched
+    plans.forget()
+
+
+def test_a_repeated_call_launches_its_plan_without_any_pytorch_operation(launches):
+    """The context lengths are left to the kernels (the batch has none), so the second call of a signature
+    computes nothing on the way to its launch: no PyTorch operation at all, the plan of the first call."""
+    bound, launched = launches
+    call(vllm_batch(QUERY_LENS, CTX_LENS, seed=5), backend="generic")
+    assert len(bound) == 1 and bound[0].batch.context_lens is None
+    again = vllm_batch(QUERY_LENS, CTX_LENS, seed=6)  # new tensors, the same signature
+    with AtenOperations() as seen:
+        call(again, backend="generic")
+    assert seen.names == []
+    assert len(bound) == 1 and len(launched) == 1
+    starts, seq_lens, context_slot = launched[0][2]  # the Batch group: the lengths' slot holds seq_lens, unread
+    assert starts is again["b_start_loc"] and seq_lens is again["b_seq_len"] and context_slot is again["b_seq_len"]
 
 
 def test_model_dtype_name_must_match_the_cache():

@@ -178,8 +178,9 @@ def op_arguments(problem: PrefillProblem, backend: str = "") -> tuple[tuple, dic
     op insert the output after ``v``: ``tensors[:3] + (out,) + tensors[3:]``.
     """
     c, b = problem.cache, problem.batch
+    # The operators' schema takes the context lengths as a tensor: derived ones are computed here (on the device).
     tensors = (problem.q, problem.k, problem.v, c.key, c.value, b.block_table, b.query_start, b.seq_lens,
-               b.context_lens)
+               b.context_lengths())
     holders = {"cache": c, "batch": b, "options": problem.options}
     kwargs = {"backend": backend}
     for o in _TYPED:

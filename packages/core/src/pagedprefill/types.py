@@ -118,7 +118,10 @@ class BatchMetadata:
         query_start: ``[B]`` or ``[B + 1]`` int tensor, offset of each sequence's first new token in the
             packed ``q``/``k``/``v``/output tensors (sequences are packed in order).
         seq_lens: ``[B]`` int tensor, ``context + new`` tokens of each sequence.
-        context_lens: ``[B]`` int tensor, cached tokens of each sequence (may be 0).
+        context_lens: ``[B]`` int tensor, cached tokens of each sequence (may be 0); or None: derived from the
+            others, ``seq_lens[i] - (query_start[i + 1] - query_start[i])``, which needs ``B + 1`` starts (the
+            kernels compute it themselves, so a call builds no tensor for it). Read it through
+            :meth:`context_lengths`, which gives a tensor either way.
         block_table: ``[B, max_blocks_per_seq]`` int tensor, physical cache block of each logical block.
         max_query_len: optional host int, an upper bound of the new tokens of any sequence. Never
             required: kernels size their grid from tensor shapes and never read lengths on the host.
@@ -126,13 +129,31 @@ class BatchMetadata:
 
     query_start: torch.Tensor
     seq_lens: torch.Tensor
-    context_lens: torch.Tensor
+    context_lens: Optional[torch.Tensor]
     block_table: torch.Tensor
     max_query_len: Optional[int] = None
 
     @property
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
+
+    def context_lengths(self) -> torch.Tensor:
+        """The ``[B]`` context lengths as a tensor: :attr:`context_lens` when given, else derived on the
+        device (no host sync) as ``seq_lens[i] - (query_start[i + 1] - query_start[i])``, in ``seq_lens``' dtype.
+
+        A derived tensor costs PyTorch operations on every call: the kernels never need it, only code that reads
+        the lengths on the host (the reference, the value checks, the test oracles) and the custom operators.
+
+        Raises:
+            ValueError: the lengths are derived but ``query_start`` does not have ``B + 1`` entries.
+        """
+        if self.context_lens is not None:
+            return self.context_lens
+        B = self.num_seqs
+        if self.query_start.dim() != 1 or self.query_start.shape[0] != B + 1:
+            raise ValueError(f"query_start: expected shape [{B + 1}] (num_seqs + 1 entries: context lengths are "
+                             f"derived from consecutive starts), got {list(self.query_start.shape)}")
+        return (self.seq_lens - self.query_start.diff()).to(self.seq_lens.dtype)
 
     @classmethod
     def from_lengths(
@@ -301,11 +322,11 @@ class PrefillProblem:
         block_table: torch.Tensor,
         query_start: torch.Tensor,
         seq_lens: torch.Tensor,
-        context_lens: torch.Tensor,
+        context_lens: Optional[torch.Tensor],
         **scalars,
     ) -> PrefillProblem:
         """The problem described by plain tensors and scalars: the one builder behind the drop-in
-        signatures and the custom operators.
+        signatures and the custom operators (``context_lens`` None: derived, see :class:`BatchMetadata`).
 
         ``scalars`` are the options held by the cache, the batch and the attention options
         (:data:`pagedprefill.options.OPTIONS` held by ``"cache"``, ``"batch"`` or ``"options"``: ``layout``,

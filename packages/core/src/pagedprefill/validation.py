@@ -44,8 +44,10 @@ class ArgumentNames:
     seq_lens: str = "seq_lens"
     context_lens: str = "context_lens"
     max_query_len: str = "max_query_len"
-    #: The context lengths are derived from the starts and ``seq_lens`` (the vLLM signature): a bad value of
-    #: ``context_lens`` is then reported on the argument the caller wrote, ``seq_lens``.
+    #: The caller's signature has no context lengths: they are derived from the starts and ``seq_lens`` (the vLLM
+    #: signature), so a bad value of one is reported on the argument the caller wrote, ``seq_lens``. A batch
+    #: whose ``context_lens`` is None says so itself; this covers the custom operators, which receive the
+    #: derived lengths as a tensor.
     context_from_starts: bool = False
 
 
@@ -280,22 +282,26 @@ def _validate_cache(p: PrefillProblem) -> None:
 
 def _validate_batch(p: PrefillProblem, names: ArgumentNames) -> None:
     b = p.batch
-    tensors = ((names.query_start, b.query_start), (names.seq_lens, b.seq_lens), (names.context_lens, b.context_lens),
-               (names.block_table, b.block_table))
+    derived = b.context_lens is None  # context lengths derived from the starts: no tensor to check
+    tensors = ((names.query_start, b.query_start), (names.seq_lens, b.seq_lens),
+               *(() if derived else ((names.context_lens, b.context_lens),)), (names.block_table, b.block_table))
     for name, t in tensors:
         _expect_tensor(name, t)
         _expect_dtype(name, t, INDEX_DTYPES)
         _expect_device(name, t, p.q.device)
     _expect_ndim(names.seq_lens, b.seq_lens, 1, "[num_seqs]")
     B = b.seq_lens.shape[0]
-    _expect_ndim(names.context_lens, b.context_lens, 1, "[num_seqs]")
-    if b.context_lens.shape[0] != B:
-        raise ValueError(
-            f"{names.context_lens}: expected shape [{B}] (as {names.seq_lens}), got {_shape(b.context_lens)}")
-    _expect_ndim(names.query_start, b.query_start, 1, "[num_seqs] or [num_seqs + 1]")
-    if b.query_start.shape[0] not in (B, B + 1):
-        raise ValueError(f"{names.query_start}: expected shape [{B}] or [{B + 1}], got {_shape(b.query_start)}")
-    for name, t in tensors[:3]:
+    if derived:
+        _expect_derivable_starts(names.query_start, b.query_start, B)
+    else:
+        _expect_ndim(names.context_lens, b.context_lens, 1, "[num_seqs]")
+        if b.context_lens.shape[0] != B:
+            raise ValueError(
+                f"{names.context_lens}: expected shape [{B}] (as {names.seq_lens}), got {_shape(b.context_lens)}")
+        _expect_ndim(names.query_start, b.query_start, 1, "[num_seqs] or [num_seqs + 1]")
+        if b.query_start.shape[0] not in (B, B + 1):
+            raise ValueError(f"{names.query_start}: expected shape [{B}] or [{B + 1}], got {_shape(b.query_start)}")
+    for name, t in tensors[:-1]:
         _expect_unit_stride(name, t)
     _expect_ndim(names.block_table, b.block_table, 2, "[num_seqs, max_blocks_per_seq]")
     if b.block_table.shape[0] != B:
@@ -304,6 +310,17 @@ def _validate_batch(p: PrefillProblem, names: ArgumentNames) -> None:
     if b.max_query_len is not None:
         if not isinstance(b.max_query_len, int) or isinstance(b.max_query_len, bool) or b.max_query_len < 0:
             raise ValueError(f"{names.max_query_len}: expected a non-negative int, got {b.max_query_len!r}")
+
+
+def _expect_derivable_starts(name: str, starts: torch.Tensor, num_seqs: int) -> None:
+    """The starts of a batch whose context lengths are derived from them (``context_lens`` None): one more
+    than the sequences, as the query lengths are the differences of consecutive starts."""
+    _expect_ndim(name, starts, 1, "[num_seqs + 1]")
+    if starts.shape[0] != num_seqs + 1:
+        raise ValueError(
+            f"{name}: expected shape [{num_seqs + 1}] (num_seqs + 1 entries: query lengths are the differences of "
+            f"consecutive starts), got {_shape(starts)}"
+        )
 
 
 def _validate_options(p: PrefillProblem) -> None:
@@ -392,7 +409,7 @@ def validate_values(p: PrefillProblem, names: ArgumentNames = NATIVE_NAMES) -> N
     b = p.batch
     B = b.num_seqs
     seq = b.seq_lens.to("cpu", torch.int64)
-    ctx = b.context_lens.to("cpu", torch.int64)
+    ctx = b.context_lengths().to("cpu", torch.int64)
     start = b.query_start.to("cpu", torch.int64)
     table = b.block_table.to("cpu", torch.int64)
     starts, seqs, ctxs = names.query_start, names.seq_lens, names.context_lens
@@ -406,7 +423,7 @@ def validate_values(p: PrefillProblem, names: ArgumentNames = NATIVE_NAMES) -> N
             raise ValueError(f"{starts}: expected non-decreasing offsets, got {_values(start, at)}")
     if B and int(ctx.min()) < 0:
         i = int(torch.argmin(ctx))
-        if names.context_from_starts:  # the context length the caller's b_seq_len implies
+        if b.context_lens is None or names.context_from_starts:  # the length the caller's seq_lens implies
             raise ValueError(
                 f"{seqs}: expected {seqs}[i] >= {starts}[i + 1] - {starts}[i] (the new tokens of sequence i), got "
                 f"{seqs}[{i}]={int(seq[i])} < {int(seq[i] - ctx[i])}")

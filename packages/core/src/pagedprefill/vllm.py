@@ -11,8 +11,9 @@
 
 Differences from the classic signature (:func:`pagedprefill.context_attention_fwd`): there is no
 ``b_ctx_len``; ``b_start_loc`` has ``B + 1`` entries and each sequence's context length is
-``b_seq_len[i] - (b_start_loc[i + 1] - b_start_loc[i])`` (computed on the device, no host sync); ``max_seq_len``
-is accepted and ignored (like ``max_input_len``, a hint the launch never needs); and four options:
+``b_seq_len[i] - (b_start_loc[i + 1] - b_start_loc[i])``, which the kernels compute themselves (no host sync,
+no PyTorch operation before the launch); ``max_seq_len`` is accepted and ignored (like ``max_input_len``, a
+hint the launch never needs); and four options:
 
 * ``skip_decode=True``: sequences with exactly one new token are left to a decode kernel; their rows of
   ``o`` are not written.
@@ -48,25 +49,6 @@ __all__ = ["context_attention_fwd"]
 #: ``kv_cache_dtype`` spellings that name the model dtype: an unquantised cache (same as ``"auto"``).
 MODEL_DTYPE_NAMES = {"float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
                      "float32": torch.float32, "float": torch.float32}
-
-
-def _context_lens(b_start_loc: torch.Tensor, b_seq_len: torch.Tensor) -> torch.Tensor:
-    """``b_seq_len - query_lens`` with query lengths from consecutive starts (no host sync)."""
-    for name, t in (("b_start_loc", b_start_loc), ("b_seq_len", b_seq_len)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 1:
-            raise ValueError(f"{name}: expected a 1-D tensor, got shape {list(t.shape)}")
-    if b_start_loc.device != b_seq_len.device:
-        raise ValueError(f"b_start_loc: expected a tensor on {b_seq_len.device} (the device of b_seq_len), got one "
-                         f"on {b_start_loc.device}")
-    B = b_seq_len.shape[0]
-    if b_start_loc.shape[0] != B + 1:
-        raise ValueError(
-            f"b_start_loc: expected shape [{B + 1}] (num_seqs + 1 entries: query lengths are the differences of "
-            f"consecutive starts), got [{b_start_loc.shape[0]}]"
-        )
-    return (b_seq_len - b_start_loc.diff()).to(b_seq_len.dtype)
 
 
 def _cache_dtype(kv_cache_dtype, k_cache) -> str:
@@ -133,9 +115,10 @@ def context_attention_fwd(
             "is_block_table_ptr: expected False, got True; block tables of raw device addresses belong to "
             "vLLM's own memory pool and have no meaning here: pass b_loc as block numbers"
         )
-    context_lens = _context_lens(b_start_loc, b_seq_len)
+    # No b_ctx_len: the kernels derive each context length from b_seq_len and b_start_loc (context_lens None),
+    # so a call runs no PyTorch operation before its launch.
     problem = PrefillProblem.from_tensors(
-        q, k, v, o, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, context_lens,
+        q, k, v, o, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, None,
         kv_cache_dtype=_cache_dtype(kv_cache_dtype, k_cache), k_scale=k_scale, v_scale=v_scale,
         max_query_len=max_input_len, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
         sliding_window=_drop_in_window(sliding_window), softcap=softcap, sinks=sinks, causal=causal,

@@ -55,6 +55,9 @@ class BatchSpec:
     #: q quantised to FP8 e4m3 with a per-tensor ``q_scale`` (a tensor with ``scale_as_tensor``); ``dtype`` is
     #: then the type of the output and the new tokens' keys and values
     fp8_query: bool = False
+    #: no context lengths in the batch (``BatchMetadata.context_lens`` None): derived from the ``B + 1`` starts
+    #: and the sequence lengths, as the serving engine's signature gives them
+    context_from_starts: bool = False
 
     def replace(self, **changes) -> BatchSpec:
         return dataclasses.replace(self, **changes)
@@ -67,7 +70,8 @@ class BatchSpec:
             parts.append(self.kv_cache_dtype)
         if self.x is not None:
             parts.append(f"x={self.x}")
-        for flag in ("alibi", "sinks", "scale_as_tensor", "skip_decode", "kv_in_cache", "fp8_query"):
+        for flag in ("alibi", "sinks", "scale_as_tensor", "skip_decode", "kv_in_cache", "fp8_query",
+                     "context_from_starts"):
             if getattr(self, flag):
                 parts.append(flag)
         if not self.causal:
@@ -127,7 +131,12 @@ def make_problem(spec: BatchSpec, device="cpu") -> PrefillProblem:
         used += n
     batch = BatchMetadata.from_lengths(qlens, clens, table, device=device)
     if spec.start_loc_entries == "B":
+        if spec.context_from_starts:
+            raise ValueError("spec: context lengths derived from the starts (context_from_starts) need B + 1 of "
+                             "them, got start_loc_entries='B'")
         batch = dataclasses.replace(batch, query_start=batch.query_start[:B])
+    if spec.context_from_starts:
+        batch = dataclasses.replace(batch, context_lens=None)
 
     q = randn(T, H, D, dtype=spec.dtype)
     k = randn(T, Hkv, D, dtype=spec.dtype)
@@ -187,7 +196,7 @@ def classic_twin(problem: PrefillProblem, layout: str = "nhd") -> PrefillProblem
     if layout not in ("nhd", "split"):
         raise ValueError(f"layout: expected 'nhd' or 'split', got {layout!r}")
     b = problem.batch
-    seq, ctx = b.seq_lens.tolist(), b.context_lens.tolist()
+    seq, ctx = b.seq_lens.tolist(), b.context_lengths().tolist()
     slots = new_token_slots([s - c for s, c in zip(seq, ctx)], ctx, b.block_table, problem.cache.block_size)
     k, v = _read_slots(problem.cache, slots.to(problem.device), problem.dtype)
     cache = problem.cache if layout == "nhd" else _split_copy(problem.cache)

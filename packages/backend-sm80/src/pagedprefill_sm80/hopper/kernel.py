@@ -179,7 +179,8 @@ def hopper_prefill_kernel(
         # go first, so the lightest ones fill the end of the launch.
         tile = gl.num_programs(0) - 1 - tile
     seq, tok0, seq_row0, ctx_len, q_len, done = tile_sequence(tile, batch[0], batch[1], batch[2], extents.num_seqs,
-                                                              cfg.TOKENS_PER_TILE, FEATURES.SKIP_DECODE)
+                                                              cfg.TOKENS_PER_TILE, FEATURES.SKIP_DECODE,
+                                                              FEATURES.CONTEXT_FROM_STARTS)
     if done:
         return
     kv_head = gl.program_id(1) // TILE.HEAD_CHUNKS

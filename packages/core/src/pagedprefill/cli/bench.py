@@ -67,7 +67,7 @@ def sdpa_peers(problem: PrefillProblem) -> dict[str, Callable[[], object]]:
     b = p.batch
     group = p.num_heads // p.num_kv_heads
     seqs = []
-    for i, (s, c) in enumerate(zip(b.seq_lens.tolist(), b.context_lens.tolist())):
+    for i, (s, c) in enumerate(zip(b.seq_lens.tolist(), b.context_lengths().tolist())):
         n = s - c
         if n == 0:
             continue
@@ -439,7 +439,7 @@ def run_engine_suite(backends: list[str], workloads: list[Workload], device: tor
 def host_overhead(device: torch.device, backend: str, layout: str = "split", calls: int = 2000,
                   rounds: int = 7) -> dict:
     """Microseconds per call on a tiny batch, host-bound: the two drop-in signatures (the classic one, and the
-    serving engine's, which computes the context lengths on the device first), and a bare launch of core's kernel.
+    serving engine's, whose kernels derive the context lengths), and a bare launch of core's kernel.
 
     The bare launch exists only for backends built on core's Triton kernel (None otherwise). Each is timed in
     ``rounds`` rounds of ``calls / rounds`` calls without synchronising, all of them alternating round by round so

@@ -64,6 +64,10 @@ CASES: dict[str, dict] = {
     "no_context": {"context_lens": (0, 0, 0, 0, 0)},
     "decode_rows": {"query_lens": (1, 1, 40, 1), "context_lens": (70, 3, 5, 0)},
     "start_loc_b_entries": {"start_loc_entries": "B"},
+    # no context lengths given: the kernels derive them from the starts (the serving engine's signature), with
+    # decode rows, sequences without context and one without new tokens
+    "context_from_starts": {"context_from_starts": True, "query_lens": (1, 6, 1, 13, 0),
+                            "context_lens": (20, 0, 0, 3, 5)},
     "long_query": {"query_lens": (150, 2), "context_lens": (35, 130), "num_heads": 2, "num_kv_heads": 1},
     # the split K cache with any x dividing the head size (strides decide the addressing)
     "split_x_1": {"layout": "split", "x": 1},
@@ -90,6 +94,9 @@ CASES: dict[str, dict] = {
     "vllm_options": {"kv_in_cache": True, "causal": False, "skip_decode": True, "fp8_out_scale": 0.05,
                      "sinks": True, "sliding_window": 9, "layout": "split",
                      "query_lens": (1, 6, 1, 13, 0), "context_lens": (20, 9, 0, 3, 5)},
+    "context_from_starts_kv_in_cache_skip_decode": {"context_from_starts": True, "kv_in_cache": True,
+                                                    "skip_decode": True, "query_lens": (1, 6, 1, 13, 0),
+                                                    "context_lens": (20, 0, 0, 3, 5)},
     # an FP8 q (fp8_query): e4m3 with a per-tensor descale, beside 16-bit and FP8 caches, new keys in the cache
     "fp8_query": {"fp8_query": True},
     "fp8_query_bfloat16": {"fp8_query": True, "dtype": torch.bfloat16},
@@ -164,6 +171,7 @@ SPLIT_KEY_CASES: dict[str, dict] = {
     "non_causal_softcap": {"causal": False, "softcap": 6.0},
     "kv_in_cache_fp8_e5m2": {"kv_in_cache": True, "kv_cache_dtype": "fp8_e5m2"},
     "fp8_query_kv_in_cache": {"fp8_query": True, "kv_in_cache": True, "kv_cache_dtype": "fp8_e4m3"},
+    "context_from_starts_kv_in_cache": {"context_from_starts": True, "kv_in_cache": True},
 }
 
 
@@ -248,7 +256,7 @@ def written_rows(problem: PrefillProblem) -> torch.Tensor:
     b = problem.batch
     mask = torch.zeros(problem.num_tokens, dtype=torch.bool)
     starts = b.query_start.tolist()
-    for i, (seq, ctx) in enumerate(zip(b.seq_lens.tolist(), b.context_lens.tolist())):
+    for i, (seq, ctx) in enumerate(zip(b.seq_lens.tolist(), b.context_lengths().tolist())):
         n = seq - ctx
         if n > 0 and not (problem.options.skip_decode and n == 1):
             mask[starts[i]:starts[i] + n] = True

@@ -64,6 +64,7 @@ SPECS: dict[str, BatchSpec] = {
     "nhd_bs128_out_scale_skip_decode": SMALL.replace(block_size=128, query_lens=(5, 1, 3), fp8_out_scale=0.05,
                                                    skip_decode=True),
     "split_x1_kv_in_cache_non_causal": SMALL.replace(layout="split", x=1, kv_in_cache=True, causal=False),
+    "nhd_bs4_context_from_starts": SMALL.replace(context_from_starts=True),
 }
 #: A GPU-sized batch: head size 128, block size 16, contexts spanning many key tiles, GQA 4.
 LARGE = BatchSpec(query_lens=(70, 1, 200), context_lens=(300, 0, 1000), num_heads=8, num_kv_heads=2,
@@ -74,7 +75,7 @@ def corrupt_variants(p: PrefillProblem) -> dict[str, dict]:
     """Name -> the :class:`BatchMetadata` fields to replace: corrupt metadata of every kind.
 
     Loop lengths stay bounded (the kernel walks every key a length claims), but for ``seq_len_huge`` which
-    only a causal problem gets (each row then stops at its own position).
+    only a causal problem with its context lengths given gets (each row then stops at its own position).
     """
     b = p.batch
     device = b.seq_lens.device
@@ -85,7 +86,7 @@ def corrupt_variants(p: PrefillProblem) -> dict[str, dict]:
     width, bs, nb = b.block_table.shape[1], p.cache.block_size, p.cache.num_blocks
     table = b.block_table.to("cpu", torch.int64)
     seq = b.seq_lens.to("cpu", torch.int64)
-    ctx = b.context_lens.to("cpu", torch.int64)
+    ctx = b.context_lengths().to("cpu", torch.int64)
     start = b.query_start.to("cpu", torch.int64)
     q_lens = seq - ctx
     wild = torch.randint(i32.min, i32.max, tuple(table.shape), generator=g, dtype=torch.int64)
@@ -113,7 +114,9 @@ def corrupt_variants(p: PrefillProblem) -> dict[str, dict]:
         "everything": dict(block_table=t(wild, b.block_table), context_lens=t(past_table),
                            seq_lens=t(past_table + 5 * steps), query_start=t(start.flip(0) - 2, b.query_start)),
     }
-    if p.options.causal:
+    # Where the context lengths are derived from seq_lens, a huge seq_len is a huge context, every key of which the
+    # kernel walks: the other variants corrupt them within bounds.
+    if p.options.causal and b.context_lens is not None:
         variants["seq_len_huge"] = dict(seq_lens=t([i32.max] * B))
     return variants
 
@@ -168,6 +171,8 @@ def check_corrupt_metadata(backend: Backend, info: DeviceInfo, device: torch.dev
     out_view, out_buf = _guarded(torch.full(p.out.shape, OUT_SENTINEL, dtype=p.out.dtype, device=device))
     checked = []
     for name, change in corrupt_variants(p).items():
+        if p.batch.context_lens is None:  # no context lengths to corrupt: the corrupt seq_lens and starts imply them
+            change = {field: t for field, t in change.items() if field != "context_lens"}
         meta = {field: guard(f"{name}.{field}", getattr(p.batch, field) if field not in change else change[field])
                 for field in ("query_start", "seq_lens", "context_lens", "block_table")}
         batch = BatchMetadata(meta["query_start"], meta["seq_lens"], meta["context_lens"], meta["block_table"],

@@ -33,7 +33,7 @@ def sdpa_float64(problem: PrefillProblem) -> torch.Tensor:
                          "compare such problems with pagedprefill.reference_prefill instead")
     b = p.batch
     out = torch.zeros(p.q.shape, dtype=torch.float64, device=p.device)
-    rows = zip(b.seq_lens.tolist(), b.context_lens.tolist(), b.query_start.tolist())
+    rows = zip(b.seq_lens.tolist(), b.context_lengths().tolist(), b.query_start.tolist())
     for i, (seq_len, ctx, start) in enumerate(rows):
         n = seq_len - ctx
         if n > 0 and not (opts.skip_decode and n == 1):

@@ -46,7 +46,8 @@ class Cache(NamedTuple):
 
 class Batch(NamedTuple):
     """Where each sequence's tokens are: ``query_start`` (row offsets into q/out), ``seq_lens`` (context plus
-    new tokens) and ``context_lens`` (cached positions before the new tokens)."""
+    new tokens) and ``context_lens`` (cached positions before the new tokens; a placeholder, unread, when
+    :class:`Features` says ``CONTEXT_FROM_STARTS``)."""
 
     query_start: Any
     seq_lens: Any
@@ -205,6 +206,10 @@ class Features(NamedTuple):
     #: The 16-bit type an FP8 q is widened to as it is loaded (``"float16"`` or ``"bfloat16"``: exactly, its
     #: descale folded into the logits' scale), or ``""``: q is in the type the call computes in.
     QUERY_WIDENED_TO: str = ""
+    #: The context lengths are not given (``BatchMetadata.context_lens`` is None): each is the sequence's length
+    #: less its new tokens, the difference of consecutive starts (``query_start`` has ``B + 1`` entries), and
+    #: :class:`Batch`'s ``context_lens`` is a placeholder the kernel never reads.
+    CONTEXT_FROM_STARTS: bool = False
 
 
 class ScaleFromTensor(NamedTuple):

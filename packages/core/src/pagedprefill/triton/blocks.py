@@ -61,17 +61,23 @@ def locate_tile(tile, query_start_ptr, num_seqs, TOKENS_PER_TILE: tl.constexpr):
 
 @triton.jit
 def tile_sequence(tile, query_start_ptr, seq_lens_ptr, ctx_lens_ptr, num_seqs, TOKENS_PER_TILE: tl.constexpr,
-                  SKIP_DECODE: tl.constexpr):
+                  SKIP_DECODE: tl.constexpr, CONTEXT_FROM_STARTS: tl.constexpr):
     """The sequence of a tile and its lengths: ``(seq, tok0, seq_row0, ctx_len, q_len, done)``.
 
     ``tok0`` is the tile's first token within the sequence, ``seq_row0`` the sequence's first row in q/o;
     ``done`` says the tile has nothing to compute (past its sequence's tokens, or a single-token decode
     sequence when ``SKIP_DECODE``: those rows belong to a decode kernel and are left untouched).
+    With ``CONTEXT_FROM_STARTS`` the new tokens are the difference of consecutive starts (``num_seqs + 1`` of
+    them) and the context is the rest of the sequence; ``ctx_lens_ptr`` is not read.
     """
     seq, tok0 = locate_tile(tile, query_start_ptr, num_seqs, TOKENS_PER_TILE)
     seq_row0 = tl.load(query_start_ptr + seq)
-    ctx_len = tl.load(ctx_lens_ptr + seq)
-    q_len = tl.load(seq_lens_ptr + seq) - ctx_len
+    if CONTEXT_FROM_STARTS:
+        q_len = tl.load(query_start_ptr + seq + 1) - seq_row0
+        ctx_len = tl.load(seq_lens_ptr + seq) - q_len
+    else:
+        ctx_len = tl.load(ctx_lens_ptr + seq)
+        q_len = tl.load(seq_lens_ptr + seq) - ctx_len
     done = tok0 >= q_len
     if SKIP_DECODE:
         done = done | (q_len == 1)

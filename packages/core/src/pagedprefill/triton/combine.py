@@ -32,7 +32,7 @@ def combine_splits_kernel(
     num_tokens = extents.num_tokens
     seq, tok0, seq_row0, ctx_len, q_len, done = tile_sequence(tl.program_id(0), batch.query_start, batch.seq_lens,
                                                               batch.context_lens, extents.num_seqs, TOKENS_PER_TILE,
-                                                              FEATURES.SKIP_DECODE)
+                                                              FEATURES.SKIP_DECODE, FEATURES.CONTEXT_FROM_STARTS)
     if done:
         return
     kv_head = tl.program_id(1) // TILE.HEAD_CHUNKS

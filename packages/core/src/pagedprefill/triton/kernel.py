@@ -168,7 +168,7 @@ def prefix_prefill_kernel(
     SKIP_DECODE: tl.constexpr = FEATURES.SKIP_DECODE
     seq, tok0, seq_row0, ctx_len, q_len, done = tile_sequence(tl.program_id(0), batch.query_start, batch.seq_lens,
                                                               batch.context_lens, extents.num_seqs, TOKENS_PER_TILE,
-                                                              SKIP_DECODE)
+                                                              SKIP_DECODE, FEATURES.CONTEXT_FROM_STARTS)
     if done:
         return
     kv_head = tl.program_id(1) // TILE.HEAD_CHUNKS

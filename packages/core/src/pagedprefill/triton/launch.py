@@ -117,7 +117,7 @@ def call_features(p: PrefillProblem) -> Features:
     return Features(CAUSAL=o.causal, WINDOW=o.sliding_window is not None, SOFTCAP=o.softcap > 0,
                     ALIBI=o.alibi_slopes is not None, SINKS=o.sinks is not None, SKIP_DECODE=o.skip_decode,
                     NEW_KV_IN_CACHE=p.k is None, OUT_SCALE=o.fp8_out_scale is not None,
-                    QUERY_WIDENED_TO=widened)
+                    QUERY_WIDENED_TO=widened, CONTEXT_FROM_STARTS=p.batch.context_lens is None)
 
 
 def scale_arguments(p: PrefillProblem) -> tuple[Scales, ScaleFromTensor]:
@@ -189,7 +189,9 @@ def call_tensors(p: PrefillProblem, key_splits: int = 1) -> tuple:
     v_scale = c.v_scale if fp8 and isinstance(c.v_scale, torch.Tensor) else q
     out_scale, q_scale = o.fp8_out_scale, o.q_scale
     b = p.batch
-    return ((q, k, v, p.out), (c.key, c.value, b.block_table), (b.query_start, b.seq_lens, b.context_lens),
+    # Context lengths derived from the starts (None): seq_lens stands in for them, unread (CONTEXT_FROM_STARTS).
+    context_lens = b.seq_lens if b.context_lens is None else b.context_lens
+    return ((q, k, v, p.out), (c.key, c.value, b.block_table), (b.query_start, b.seq_lens, context_lens),
             (q if o.alibi_slopes is None else o.alibi_slopes, q if o.sinks is None else o.sinks),
             (k_scale, v_scale, out_scale if isinstance(out_scale, torch.Tensor) else q,
              q_scale if isinstance(q_scale, torch.Tensor) else q),
