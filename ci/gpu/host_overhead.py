@@ -106,7 +106,7 @@ def main():
     c, b = p.cache, p.batch
     drop_in = lambda: pp.context_attention_fwd(p.q, p.k, p.v, p.out, "auto", c.key, c.value, b.block_table,  # noqa: E731
                                                b.query_start, b.seq_lens, b.context_lens, 4)
-    # The serving engine's signature: context lengths computed on the device from b_start_loc's B + 1 entries.
+    # The serving engine's signature: the kernels derive the context lengths from b_start_loc's B + 1 entries.
     vllm_drop_in = lambda: vllm_context_attention_fwd(  # noqa: E731
         p.q, p.k, p.v, p.out, "auto", c.key, c.value, b.block_table, b.query_start, b.seq_lens, None, 4, 1.0, 1.0)
     fns = {
