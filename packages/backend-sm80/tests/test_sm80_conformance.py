@@ -3,17 +3,16 @@
 import pytest
 import torch
 from pagedprefill import DeviceInfo
+from pagedprefill.backends.triton_base import e4m3_arguments
 from pagedprefill.testing import ConformanceSuite
-from pagedprefill.types import KVCacheDType
+from pagedprefill.workloads import make_problem
 
 
 class TestSm80Conformance(ConformanceSuite):
     backend = "sm80"
 
     def _skip_reason(self, spec, device, case=None):
-        e4m3 = spec.fp8_query or KVCacheDType.parse(spec.kv_cache_dtype) is KVCacheDType.FP8_E4M3 \
-            or spec.fp8_out_scale is not None
-        if e4m3 and device.type == "cpu":
+        if device.type == "cpu" and e4m3_arguments(make_problem(spec)):
             # core's test_fp8_query checks that an A100 refuses them by name; generic's CPU suite runs the same
             # kernel on them.
             return ("e4m3 values (an FP8 q, an e4m3 cache or an FP8 output) need compute capability 8.9 or later "
