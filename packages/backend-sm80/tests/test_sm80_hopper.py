@@ -1381,3 +1381,28 @@ def compile_fp8_queries() -> dict:
         out[name] = {**summarize(compiled, 90).to_dict(), "model_bytes": shared_bytes(s, config),
                      "fp8_mmas": ptx.count(".e4m3.e4m3"), "bf16_mmas": ptx.count(".bf16.bf16")}
     return out
+
+
+def test_idle_half_is_on_where_its_branch_does_not_spill_and_reaches_the_launch():
+    """``IDLE_HALF`` (the second consumer idle on tiles whose second half holds no query row) is on for both
+    layouts and cache formats at head sizes 128 and 256 and on 128-key tiles at head size 64, off on head size
+    64's 256-key tiles and at head size 96 (where its branch spills), off without ``PINGPONG`` (one consumer
+    holds every row); a caller can turn it off, and the launch's constexprs carry it."""
+    assert DEFAULTS["IDLE_HALF"]
+    for layout in ("nhd", "split"):
+        for cache in ("auto", "fp8_e4m3"):
+            for head_size in (64, 96, 128, 256):
+                if cache != "auto" and head_size > 128:
+                    continue  # no FP8 cache there
+                s = shape(layout=layout, kv_cache_dtype=cache, head_size=head_size)
+                config = hopper_config(s)
+                expected = config.block_n <= 128 and head_size != 96
+                assert resolve(s, config)["IDLE_HALF"] == expected, (layout, cache, head_size, config)
+                assert not resolve(s, config, dict(IDLE_HALF=False))["IDLE_HALF"]
+                assert not resolve(s, config, dict(PINGPONG=False))["IDLE_HALF"]
+    d64 = dataclasses.replace(shape(head_size=64), num_tokens=4096, num_seqs=2, max_query_len=2048)  # a long call
+    assert hopper_config(d64).block_n == 256 and not resolve(d64, hopper_config(d64))["IDLE_HALF"]
+    problem = make_problem(SPEC)
+    s = problem_shape(problem)
+    assert kernel_call(problem, hopper_config(s), s).constexprs["SCHEDULE"].IDLE_HALF
+    assert not kernel_call(problem, hopper_config(s), s, dict(IDLE_HALF=False)).constexprs["SCHEDULE"].IDLE_HALF

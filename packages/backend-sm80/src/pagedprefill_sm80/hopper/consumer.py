@@ -37,6 +37,18 @@ def wait_tile(cfg, ring, it, from_cache):
 
 
 @gluon.jit
+def hand_back(cfg, ring, tiles):
+    """Hand each of ``tiles`` buffers back as it lands, reading none of it: what a consumer whose rows hold no
+    query does, so that the other consumer and the producer keep their pace. It waits for each tile (not only
+    arrives) because the ring's release counts arrivals: an arrival ahead of the other consumer's would free a
+    buffer it still reads."""
+    STAGES: gl.constexpr = cfg.TILE.STAGES
+    for it in range(tiles):
+        mbarrier.wait(ring.ready.index(it % STAGES), (it // STAGES) & 1)
+        mbarrier.arrive(ring.empty.index(it % STAGES), count=1)
+
+
+@gluon.jit
 def softmax_tile(cfg, scores, m_i, l_i, it, q_pos, alibi2, offs_n, rows, walk, kv_len, window, softcap,
                  qk_scale,
                  p_layout: gl.constexpr, p_dtype: gl.constexpr):
@@ -129,34 +141,42 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
     kv_len = cached_length(rows.ctx_len, rows.q_len, cfg.FEATURES.NEW_KV_IN_CACHE)
 
     cache_tiles = walk.cache_tiles
-    for it in range(cache_tiles + walk.new_tiles):
-        s = it % STAGES
-        from_cache = it < cache_tiles
-        wait_tile(cfg, ring, it, from_cache)
-        if FP8_CACHE:
-            if it == cache_tiles:  # the cached tiles are done: their values' scale, once
-                acc = acc * v_scale
-        zeros = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        scores = warpgroup_mma(q_smem, ring.k.index(s).permute((1, 0)), zeros, use_acc=False)
-        tile_scale = qk_scale
-        if FP8_CACHE and from_cache:
-            tile_scale = qk_scale_cache
-        p_op, alpha, m_i, l_i = softmax_tile(cfg, scores, m_i, l_i, it, q_pos, alibi2, offs_n, rows, walk, kv_len,
-                                             window, softcap, tile_scale, p_layout, ring.v.dtype)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        if CACHED_VT and from_cache:
-            # Cached values arrive transposed (V^T pages) in their own ring, new tokens' values as rows.
-            acc = warpgroup_mma(p_op, ring.vt.index(s).permute((1, 0)), acc)
-        else:
-            acc = warpgroup_mma(p_op, ring.v.index(s), acc)
-        # Every warp of this consumer is done with the buffer (its MMAs are synchronous): one arrival for all.
-        gl.thread_barrier()
-        mbarrier.arrive(ring.empty.index(s), count=1)
-    if FP8_CACHE:
-        if walk.new_tiles == 0:  # no new tile followed the cached ones
-            acc = acc * v_scale
-
-    if cfg.TILE.KEY_SPLITS > 1:
-        store_partials(cfg, acc, m_i, l_i, head, out_rows, row_ok, rows, output, o_layout)
+    # Under IDLE_HALF a consumer whose first row's token is past the sequence's (the second half of a decode or
+    # speculative row's tile, a short last tile) holds no query row: it runs no MMA and only hands buffers back.
+    idle = False
+    if cfg.SCHEDULE.IDLE_HALF and ROW0 > 0:
+        idle = rows.tok0 + ROW0 // cfg.TILE.HEADS_PER_TILE >= rows.q_len
+    if idle:
+        hand_back(cfg, ring, cache_tiles + walk.new_tiles)
     else:
-        store_rows(cfg, acc, m_i, l_i, head, out_rows, row_ok, per_head, scales, output, o_layout)
+        for it in range(cache_tiles + walk.new_tiles):
+            s = it % STAGES
+            from_cache = it < cache_tiles
+            wait_tile(cfg, ring, it, from_cache)
+            if FP8_CACHE:
+                if it == cache_tiles:  # the cached tiles are done: their values' scale, once
+                    acc = acc * v_scale
+            zeros = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+            scores = warpgroup_mma(q_smem, ring.k.index(s).permute((1, 0)), zeros, use_acc=False)
+            tile_scale = qk_scale
+            if FP8_CACHE and from_cache:
+                tile_scale = qk_scale_cache
+            p_op, alpha, m_i, l_i = softmax_tile(cfg, scores, m_i, l_i, it, q_pos, alibi2, offs_n, rows, walk, kv_len,
+                                                 window, softcap, tile_scale, p_layout, ring.v.dtype)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            if CACHED_VT and from_cache:
+                # Cached values arrive transposed (V^T pages) in their own ring, new tokens' values as rows.
+                acc = warpgroup_mma(p_op, ring.vt.index(s).permute((1, 0)), acc)
+            else:
+                acc = warpgroup_mma(p_op, ring.v.index(s), acc)
+            # Every warp of this consumer is done with the buffer (its MMAs are synchronous): one arrival for all.
+            gl.thread_barrier()
+            mbarrier.arrive(ring.empty.index(s), count=1)
+        if FP8_CACHE:
+            if walk.new_tiles == 0:  # no new tile followed the cached ones
+                acc = acc * v_scale
+
+        if cfg.TILE.KEY_SPLITS > 1:
+            store_partials(cfg, acc, m_i, l_i, head, out_rows, row_ok, rows, output, o_layout)
+        else:
+            store_rows(cfg, acc, m_i, l_i, head, out_rows, row_ok, per_head, scales, output, o_layout)
