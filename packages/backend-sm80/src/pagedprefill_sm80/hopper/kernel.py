@@ -11,24 +11,23 @@ module of its own:
   **epilogue** (:mod:`.epilogue`) that stores their rows.
 
 This module composes them: it finds the tile's sequence and rows (core's tile schedule, heaviest tiles first
-under ``HEAVY_FIRST``, light tiles spread among them under ``SPREAD_LIGHT``: :mod:`.order`), the key tiles it
-visits (core's :func:`~pagedprefill.triton.blocks.visible_keys`, cut into tiles), loads the Q tile, allocates the
-ring and its barriers, and starts the partitions. Arguments are core's groups and this kernel's own
-(:mod:`.arguments`); the partitions share :mod:`.state`'s aggregates. A head size that is not a power of two (96)
-runs on the next power of two, its boxes and copies reading the columns past the head as zeros.
+under ``HEAVY_FIRST``), the key tiles it visits (core's :func:`~pagedprefill.triton.blocks.visible_keys`, cut
+into tiles), loads the Q tile, allocates the ring and its barriers, and starts the partitions. Arguments are
+core's groups and this kernel's own (:mod:`.arguments`); the partitions share :mod:`.state`'s aggregates. A head
+size that is not a power of two (96) runs on the next power of two, its boxes and copies reading the columns
+past the head as zeros.
 
 Every TMA box is bounds-checked by the hardware against the tensor it was described on, table columns and block
 numbers are clamped, and query rows outside ``q`` are masked, so inconsistent metadata cannot read or write
 outside the caller's tensors.
 """
 
-from pagedprefill.triton.blocks import sequence_lengths, split_tiles, tile_rows, tile_sequence, visible_keys
+from pagedprefill.triton.blocks import split_tiles, tile_rows, tile_sequence, visible_keys
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from .consumer import consumer
-from .order import spread_tile
 from .producer import producer
 from .state import KernelConfig, KeyWalk, Ring, TileRows
 
@@ -175,21 +174,13 @@ def hopper_prefill_kernel(
     HEAD_SIZE: gl.constexpr = LAYOUT.HEAD_SIZE
     BLOCK_M: gl.constexpr = TILE.BLOCK_M
     tile = gl.program_id(0)
-    if SCHEDULE.SPREAD_LIGHT:
-        # Decode and speculative rows' tiles spread among the prefill tiles (.order), each heaviest first.
-        seq, tok0, found = spread_tile(tile, gl.num_programs(0), batch[0], extents.num_seqs, cfg.TOKENS_PER_TILE,
-                                       cfg.ROWS // TILE.HEADS_PER_TILE, cfg.CONSUMER_WARPS)
-        seq_row0, ctx_len, q_len, done = sequence_lengths(seq, tok0, batch[0], batch[1], batch[2],
-                                                          FEATURES.SKIP_DECODE, FEATURES.CONTEXT_FROM_STARTS)
-        done = done | ~found
-    else:
-        if SCHEDULE.HEAVY_FIRST:
-            # Programs start in index order: the last tiles of each sequence (the most keys under a causal mask)
-            # go first, so the lightest ones fill the end of the launch.
-            tile = gl.num_programs(0) - 1 - tile
-        seq, tok0, seq_row0, ctx_len, q_len, done = tile_sequence(tile, batch[0], batch[1], batch[2],
-                                                                  extents.num_seqs, cfg.TOKENS_PER_TILE,
-                                                                  FEATURES.SKIP_DECODE, FEATURES.CONTEXT_FROM_STARTS)
+    if SCHEDULE.HEAVY_FIRST:
+        # Programs start in index order: the last tiles of each sequence (the most keys under a causal mask)
+        # go first, so the lightest ones fill the end of the launch.
+        tile = gl.num_programs(0) - 1 - tile
+    seq, tok0, seq_row0, ctx_len, q_len, done = tile_sequence(tile, batch[0], batch[1], batch[2], extents.num_seqs,
+                                                              cfg.TOKENS_PER_TILE, FEATURES.SKIP_DECODE,
+                                                              FEATURES.CONTEXT_FROM_STARTS)
     if done:
         return
     kv_head = gl.program_id(1) // TILE.HEAD_CHUNKS

@@ -17,9 +17,6 @@ has the figures of these and of the variants that lost and were removed):
   Decode rows in a padded tile of 128 rows are otherwise bound by MMAs on rows that do not exist, as long as
   a prefill tile's: 1.10-1.14 x on the decode and speculative rows, 1.12 x on a mixed step; off where the
   consumers' registers are full (256-key tiles, head size 96), where its branch spills.
-* ``SPREAD_LIGHT`` (with ``IDLE_HALF``): the light tiles (sequences of at most half a tile's tokens: decode and
-  speculative rows, bound by the bytes they stream) are spread evenly among the heavy ones, each class heaviest
-  first (:mod:`.order`), so that a mixed batch's rows stream beside its prefill tiles instead of after them.
 * ``WIDE_PRODUCER`` (split layout): a producer warpgroup instead of one warp shares the 16-byte copies of the
   cached keys; always at head size 256, where one warp spills its copy addresses.
 * ``KEY_LOADS`` (split layout, 16-bit cache): a producer warpgroup reads the cached keys with 16-byte loads and
@@ -66,9 +63,9 @@ MAX_ROWS = 2**31 - 1
 FP8_CACHES = (KVCacheDType.FP8_E4M3, KVCacheDType.FP8_E5M2)
 
 #: Every flag, with its value before a route's flags and the resolution apply.
-DEFAULTS = dict(HEAVY_FIRST=True, PINGPONG=True, IDLE_HALF=True, SPREAD_LIGHT=False, WIDE_PRODUCER=False,
-                KEY_LOADS=False, VALUES_FIRST=False, WIDE_KEY_CHUNKS=False, EARLY_KEYS=False, F32_WIDENING=True,
-                FP8_BOXES=False, WIDEN_TO_V=False, FUSED_SCALE=True, FP8_SCORES=True)
+DEFAULTS = dict(HEAVY_FIRST=True, PINGPONG=True, IDLE_HALF=True, WIDE_PRODUCER=False, KEY_LOADS=False,
+                VALUES_FIRST=False, WIDE_KEY_CHUNKS=False, EARLY_KEYS=False, F32_WIDENING=True, FP8_BOXES=False,
+                WIDEN_TO_V=False, FUSED_SCALE=True, FP8_SCORES=True)
 
 #: Schedule flags read from the environment at each bind (``"KEY_LOADS=1,EARLY_KEYS=0"``), over the route's
 #: flags and under a caller's own: for running a suite or the bench under a schedule that is not a route's
@@ -103,7 +100,6 @@ class Schedule(NamedTuple):
     HEAVY_FIRST: bool
     PINGPONG: bool
     IDLE_HALF: bool
-    SPREAD_LIGHT: bool
     KEY_LOADS: int
     VALUES_FIRST: bool
     EARLY_KEYS: bool
@@ -178,8 +174,6 @@ def resolve(shape: ProblemShape, config: TileConfig, schedule: Optional[dict] = 
     # register and cost the D64 row 2.7 % (run 25); at head size 96 it spills 16 bytes.
     flags["IDLE_HALF"] = (bool(flags["IDLE_HALF"]) and flags["PINGPONG"] and config.block_n <= 128
                           and shape.head_size not in PADDED_HEADS)
-    # Light tiles are light because one consumer computes them.
-    flags["SPREAD_LIGHT"] = bool(flags["SPREAD_LIGHT"]) and flags["IDLE_HALF"]
     # Only the split layout's copies are shared among the producer's warps (NHD is all TMA, one thread issues);
     # at head size 256 they take a warpgroup: one producer warp spills its copy addresses there.
     flags["WIDE_PRODUCER"] = (bool(flags["WIDE_PRODUCER"]) or shape.head_size > 128) and split
@@ -241,7 +235,7 @@ def kernel_schedule(flags: dict, shape: ProblemShape, config: TileConfig) -> Sch
     producer_regs, consumer_regs = partition_registers(flags, split, fp8, config.num_warps)
     producer_warps = 4 if ((flags["WIDE_PRODUCER"] or flags["KEY_LOADS"]) and split) or fp8 else 1
     return Schedule(HEAVY_FIRST=flags["HEAVY_FIRST"], PINGPONG=flags["PINGPONG"],
-                    IDLE_HALF=flags["IDLE_HALF"], SPREAD_LIGHT=flags["SPREAD_LIGHT"], KEY_LOADS=key_chunk(flags),
+                    IDLE_HALF=flags["IDLE_HALF"], KEY_LOADS=key_chunk(flags),
                     VALUES_FIRST=flags["VALUES_FIRST"], EARLY_KEYS=flags["EARLY_KEYS"],
                     F32_WIDENING=flags["F32_WIDENING"], FP8_BOXES=flags["FP8_BOXES"], WIDEN_TO_V=flags["WIDEN_TO_V"],
                     FUSED_SCALE=flags["FUSED_SCALE"], FP8_SCORES=flags["FP8_SCORES"],

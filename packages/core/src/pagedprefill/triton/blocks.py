@@ -71,17 +71,6 @@ def tile_sequence(tile, query_start_ptr, seq_lens_ptr, ctx_lens_ptr, num_seqs, T
     them) and the context is the rest of the sequence; ``ctx_lens_ptr`` is not read.
     """
     seq, tok0 = locate_tile(tile, query_start_ptr, num_seqs, TOKENS_PER_TILE)
-    seq_row0, ctx_len, q_len, done = sequence_lengths(seq, tok0, query_start_ptr, seq_lens_ptr, ctx_lens_ptr,
-                                                      SKIP_DECODE, CONTEXT_FROM_STARTS)
-    return seq, tok0, seq_row0, ctx_len, q_len, done
-
-
-@triton.jit
-def sequence_lengths(seq, tok0, query_start_ptr, seq_lens_ptr, ctx_lens_ptr, SKIP_DECODE: tl.constexpr,
-                     CONTEXT_FROM_STARTS: tl.constexpr):
-    """Sequence ``seq``'s first row in q/o and lengths, and whether a tile from its token ``tok0`` has nothing
-    to compute: ``(seq_row0, ctx_len, q_len, done)``, as :func:`tile_sequence` documents them (for a kernel that
-    found the tile's sequence itself)."""
     seq_row0 = tl.load(query_start_ptr + seq)
     if CONTEXT_FROM_STARTS:
         q_len = tl.load(query_start_ptr + seq + 1) - seq_row0
@@ -92,7 +81,7 @@ def sequence_lengths(seq, tok0, query_start_ptr, seq_lens_ptr, ctx_lens_ptr, SKI
     done = tok0 >= q_len
     if SKIP_DECODE:
         done = done | (q_len == 1)
-    return seq_row0, ctx_len, q_len, done
+    return seq, tok0, seq_row0, ctx_len, q_len, done
 
 
 @triton.jit
