@@ -142,6 +142,16 @@ def test_every_column_computes_the_same_attention():
         assert all(0 <= e < 3e-2 for e in errors.values()), errors
 
 
+def test_an_fp8_query_reaches_both_drop_ins_with_its_descale():
+    """The FP8 query row: both calls pass ``q_scale`` (the query's descale, not 1), so every column is within
+    tolerance of the reference."""
+    spec = SPEC.replace(kv_cache_dtype="fp8_e4m3", fp8_query=True)
+    assert make_problem(spec).options.q_scale != 1.0
+    rows = by_impl(run(workloads_=[Workload("fp8 query", spec)]), "fp8 query")
+    for label in ("engine", "nhd", "split"):
+        assert rows[label]["within_tolerance"] and rows[label]["rel_l2"] < 3e-2, (label, rows[label])
+
+
 def test_fa4_receives_the_page_table_cu_seqlens_and_seqused_k_of_the_engine_problem():
     fake = FakeFA4()
     rows = run(fake, workloads_=WORKLOADS[:1], with_reference=False)

@@ -200,7 +200,7 @@ def engine_call(problem: PrefillProblem, backend: str) -> Callable[[], torch.Ten
     def run() -> torch.Tensor:
         vllm.context_attention_fwd(p.q, None, None, p.out, str(c.dtype), c.key, c.value, b.block_table,
                                    b.query_start, b.seq_lens, max_seq, max_query, c.k_scale, c.v_scale,
-                                   sm_scale=p.options.sm_scale, backend=backend)
+                                   sm_scale=p.options.sm_scale, q_scale=p.options.q_scale, backend=backend)
         return p.out
 
     return run
@@ -217,7 +217,7 @@ def classic_call(problem: PrefillProblem, backend: str) -> Callable[[], torch.Te
     def run() -> torch.Tensor:
         api.context_attention_fwd(p.q, p.k, p.v, p.out, str(c.dtype), c.key, c.value, b.block_table, b.query_start,
                                   b.seq_lens, b.context_lens, max_query, c.k_scale, c.v_scale,
-                                  sm_scale=p.options.sm_scale, backend=backend)
+                                  sm_scale=p.options.sm_scale, q_scale=p.options.q_scale, backend=backend)
         return p.out
 
     return run
