@@ -171,7 +171,7 @@ def resolve(shape: ProblemShape, config: TileConfig, schedule: Optional[dict] = 
     # Two consumer partitions need two warpgroups' worth of rows.
     flags["PINGPONG"] = bool(flags["PINGPONG"]) and config.num_warps == 8
     # Not where the consumers' registers are full: on 256-key tiles (head size 64, NHD) the idle branch spills a
-    # register and cost the D64 row 2.7 % (run 25); at head size 96 it spills 16 bytes.
+    # register and cost the D64 row 2.7 %; at head size 96 it spills 16 bytes.
     flags["IDLE_HALF"] = (bool(flags["IDLE_HALF"]) and flags["PINGPONG"] and config.block_n <= 128
                           and shape.head_size not in PADDED_HEADS)
     # Only the split layout's copies are shared among the producer's warps (NHD is all TMA, one thread issues);
