@@ -2,20 +2,27 @@
 # Hardware counters of bench workloads on sm80's Hopper kernel, one launch each after warm-up, condensed into one
 # log (LOGFILE; everything the profiler printed goes to LOGFILE.raw): duration, throughputs, L2 requests and
 # sectors, issue activity, the tensor and special-function pipes' activity and the largest warp-stall reasons.
-# Usage: ci/gpu/profile_rows.sh LOGFILE NAME:LAYOUT[:SCHEDULE] ...   e.g. "long:nhd" "window:nhd" "prefix:split:WIDE_KEY_CHUNKS=1"
-# NAME is part of a workload's name (ci/gpu/profile_workload.py); SCHEDULE is its --schedule. STEP_TIMEOUT bounds
-# each row (seconds, default 150). Needs the profiler on PATH; the clocks are left as they are.
+# Usage: ci/gpu/profile_rows.sh LOGFILE NAME:LAYOUT[:SCHEDULE[:PEER]] ...
+#   e.g. "long:nhd" "window:nhd" "prefix:split:WIDE_KEY_CHUNKS=1" "prefix:engine" "prefix:engine::fa4"
+# NAME is part of a workload's name (ci/gpu/profile_workload.py); LAYOUT is nhd, split or engine (the serving
+# engine's form on NHD; with SUITE=engine the engine suite's rows); SCHEDULE is its --schedule; PEER (fa4 or
+# fa4-contig) profiles FlashAttention-4's kernel on the engine's form instead of ours. STEP_TIMEOUT bounds each
+# row (seconds, default 150). Needs the profiler on PATH; the clocks are left as they are.
 set -u
-log=${1:?usage: profile_rows.sh LOGFILE NAME:LAYOUT[:SCHEDULE] ...}; shift
+log=${1:?usage: profile_rows.sh LOGFILE NAME:LAYOUT[:SCHEDULE[:PEER]] ...}; shift
 raw=$(mktemp)
 rc=0
 for row in "$@"; do
-  IFS=: read -r name layout schedule <<<"$row"
-  echo "=== $name $layout schedule: ${schedule:-as the policy sets}" | tee -a "$log"
+  IFS=: read -r name layout schedule peer <<<"$row"
+  form=(--layout "$layout"); kernels=regex:hopper_prefill
+  [ "$layout" = engine ] && form=(--engine)
+  [ -n "$peer" ] && { form=(--peer "$peer"); kernels='regex:flash|Flash'; }
+  echo "=== $name $layout schedule: ${schedule:-as the policy sets}${peer:+ peer: $peer}" | tee -a "$log"
   # --page raw prints every collected metric by name: the stall reasons too, which the details page summarises.
-  timeout "${STEP_TIMEOUT:-150}" ncu --clock-control none -k regex:hopper_prefill --launch-skip 3 --launch-count 1 \
+  timeout "${STEP_TIMEOUT:-150}" ncu --clock-control none -k "$kernels" --launch-skip 3 --launch-count 1 \
     --set full --metrics lts__t_requests.sum,lts__t_sectors.sum --page raw \
-    python3 ci/gpu/profile_workload.py "$name" --layout "$layout" ${schedule:+--schedule "$schedule"} >"$raw" 2>&1 \
+    python3 ci/gpu/profile_workload.py "$name" --suite "${SUITE:-default}" "${form[@]}" \
+    ${schedule:+--schedule "$schedule"} >"$raw" 2>&1 \
     || { echo "profiler failed (exit $?):"; tail -n 5 "$raw"; rc=1; }
   cat "$raw" >>"$log.raw"  # everything, for what the summary below leaves out
   grep -E "TFLOP/s over|gpu__time_duration.sum|lts__t_requests.sum |lts__t_sectors.sum |lts__throughput.avg.pct_of_peak|sm__throughput.avg.pct_of_peak|smsp__issue_active.avg.pct|smsp__average_warp_latency_per_inst_issued|launch__registers_per_thread " "$raw" | tee -a "$log"
