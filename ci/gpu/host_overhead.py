@@ -3,11 +3,13 @@
 Compares the public drop-in (``context_attention_fwd``, default validation), the library's launcher alone,
 and a bare Triton launch of the same kernel with its arguments prepared once (what a hand-written launch
 of a seed-style kernel costs). Prints microseconds per call.
+
+Usage: python ci/gpu/host_overhead.py [nhd|split]   (the cache layout; split by default)
 """
 
+import argparse
 import os
 import statistics
-import sys
 import time
 
 import pagedprefill as pp
@@ -85,9 +87,12 @@ def hopper_rows(p, backend, info, drop_in) -> dict:
     return rows
 
 
-def main():
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("layout", nargs="?", choices=("nhd", "split"), default="split", help="the cache layout")
+    args = parser.parse_args(argv)
     spec = BatchSpec(query_lens=(4, 3), context_lens=(16, 9), num_heads=32, num_kv_heads=8, head_size=128,
-                     block_size=16, dtype=torch.bfloat16, layout=sys.argv[1] if len(sys.argv) > 1 else "split")
+                     block_size=16, dtype=torch.bfloat16, layout=args.layout)
     p = make_problem(spec, "cuda")
     info = DeviceInfo.detect(p.device)
     backend = select_backend(info)
