@@ -20,7 +20,12 @@ from pagedprefill.triton.blocks import (
 )
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from .epilogue import store_partials, store_rows
 
@@ -148,6 +153,14 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
         idle = rows.tok0 + ROW0 // cfg.TILE.HEADS_PER_TILE >= rows.q_len
     if idle:
         hand_back(cfg, ring, cache_tiles + walk.new_tiles)
+    elif cfg.SCHEDULE.ASYNC_PV:
+        acc, m_i, l_i = async_values_loop(cfg, ring, q_smem, acc, m_i, l_i, q_pos, alibi2, offs_n, rows, walk, kv_len,
+                                          window, softcap, qk_scale, qk_scale_cache, v_scale, s_layout, o_layout,
+                                          p_layout)
+        if cfg.TILE.KEY_SPLITS > 1:
+            store_partials(cfg, acc, m_i, l_i, head, out_rows, row_ok, rows, output, o_layout)
+        else:
+            store_rows(cfg, acc, m_i, l_i, head, out_rows, row_ok, per_head, scales, output, o_layout)
     else:
         for it in range(cache_tiles + walk.new_tiles):
             s = it % STAGES
@@ -180,3 +193,64 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
             store_partials(cfg, acc, m_i, l_i, head, out_rows, row_ok, rows, output, o_layout)
         else:
             store_rows(cfg, acc, m_i, l_i, head, out_rows, row_ok, per_head, scales, output, o_layout)
+
+
+@gluon.jit
+def scores_step(cfg, ring, q_smem, m_i, l_i, it, q_pos, alibi2, offs_n, rows, walk, kv_len, window, softcap, qk_scale,
+                qk_scale_cache, scores, p_layout: gl.constexpr):
+    """The online-softmax step of key tile ``it`` on its raw ``scores``, with the cached tiles' logit scale where
+    the cache is FP8: :func:`softmax_tile`'s ``(P, alpha, m, l)``."""
+    tile_scale = qk_scale
+    if cfg.LAYOUT.FP8_CACHE and it < walk.cache_tiles:
+        tile_scale = qk_scale_cache
+    return softmax_tile(cfg, scores, m_i, l_i, it, q_pos, alibi2, offs_n, rows, walk, kv_len, window, softcap,
+                        tile_scale, p_layout, ring.v.dtype)
+
+
+@gluon.jit
+def async_values_loop(cfg, ring, q_smem, acc, m_i, l_i, q_pos, alibi2, offs_n, rows, walk, kv_len, window, softcap,
+                      qk_scale, qk_scale_cache, v_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                      p_layout: gl.constexpr):
+    """The key loop under ``ASYNC_PV`` (NHD): step ``it`` issues tile ``it - 1``'s ``P V`` and tile ``it``'s
+    ``Q K^T`` back to back as asynchronous MMAs, hands tile ``it - 1``'s buffer back once its ``P V`` is done (the
+    MMAs complete in order) and waits for the scores before the softmax. No MMA is in flight across the loop's
+    back edge, so that the accumulators stay in their registers (``ptxas`` serialises every warpgroup MMA of a
+    kernel where instructions between an MMA's start and its wait touch its registers). Returns ``(acc, m, l)``."""
+    BLOCK_M: gl.constexpr = cfg.ROWS
+    BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
+    STAGES: gl.constexpr = cfg.TILE.STAGES
+    FP8_CACHE: gl.constexpr = cfg.LAYOUT.FP8_CACHE
+    cache_tiles = walk.cache_tiles
+    tiles = cache_tiles + walk.new_tiles
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    zeros = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    p_op = gl.zeros([BLOCK_M, BLOCK_N], ring.v.dtype, p_layout)
+    if tiles > 0:  # the first tile's scores: no P V before them
+        wait_tile(cfg, ring, 0, 0 < cache_tiles)
+        scores = warpgroup_mma(q_smem, ring.k.index(0).permute((1, 0)), zeros, use_acc=False)
+        p_op, alpha, m_i, l_i = scores_step(cfg, ring, q_smem, m_i, l_i, 0, q_pos, alibi2, offs_n, rows, walk, kv_len,
+                                            window, softcap, qk_scale, qk_scale_cache, scores, p_layout)
+    for it in range(1, tiles):
+        s = it % STAGES
+        prev = (it - 1) % STAGES
+        wait_tile(cfg, ring, it, it < cache_tiles)
+        running = warpgroup_mma(p_op, ring.v.index(prev), acc, is_async=True)
+        scores = warpgroup_mma(q_smem, ring.k.index(s).permute((1, 0)), zeros, use_acc=False, is_async=True)
+        acc, p_op = warpgroup_mma_wait(1, deps=[running, p_op])
+        gl.thread_barrier()
+        mbarrier.arrive(ring.empty.index(prev), count=1)
+        scores = warpgroup_mma_wait(0, deps=[scores])
+        if FP8_CACHE:
+            if it == cache_tiles:  # the cached tiles are done: their values' scale, once
+                acc = acc * v_scale
+        p_op, alpha, m_i, l_i = scores_step(cfg, ring, q_smem, m_i, l_i, it, q_pos, alibi2, offs_n, rows, walk, kv_len,
+                                            window, softcap, qk_scale, qk_scale_cache, scores, p_layout)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    if tiles > 0:  # the last tile's P V
+        acc = warpgroup_mma(p_op, ring.v.index((tiles - 1) % STAGES), acc)
+        gl.thread_barrier()
+        mbarrier.arrive(ring.empty.index((tiles - 1) % STAGES), count=1)
+    if FP8_CACHE:
+        if walk.new_tiles == 0:  # no new tile followed the cached ones
+            acc = acc * v_scale
+    return acc, m_i, l_i
