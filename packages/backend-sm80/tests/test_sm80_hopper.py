@@ -1406,3 +1406,61 @@ def test_idle_half_is_on_where_its_branch_does_not_spill_and_reaches_the_launch(
     s = problem_shape(problem)
     assert kernel_call(problem, hopper_config(s), s).constexprs["SCHEDULE"].IDLE_HALF
     assert not kernel_call(problem, hopper_config(s), s, dict(IDLE_HALF=False)).constexprs["SCHEDULE"].IDLE_HALF
+
+
+def test_softmax_under_pv_is_off_unless_asked_and_only_on_nhd_tiles_of_up_to_128_keys():
+    """``SOFTMAX_UNDER_PV`` is off by default; asked for, it applies to the NHD layout on tiles of up to 128 keys
+    (not to the split layout's two value rings, nor to head size 64's 256-key tiles, where it spills), and the
+    shared-memory model counts each consumer's row sums."""
+    assert not DEFAULTS["SOFTMAX_UNDER_PV"]
+    asked = dict(SOFTMAX_UNDER_PV=True)
+    for layout in ("nhd", "split"):
+        for head_size in (64, 96, 128, 256):
+            s = shape(layout=layout, head_size=head_size)
+            config = hopper_config(s)
+            expected = layout == "nhd" and config.block_n <= 128
+            assert not resolve(s, config)["SOFTMAX_UNDER_PV"]
+            assert resolve(s, config, asked)["SOFTMAX_UNDER_PV"] == expected, (layout, head_size, config)
+            extra = shared_bytes(s, config, asked) - shared_bytes(s, config)
+            assert extra == (config.block_m * 4 if expected else 0), (layout, head_size, extra)
+    d64 = dataclasses.replace(shape(head_size=64), num_tokens=4096, num_seqs=2, max_query_len=2048)  # a long call
+    assert hopper_config(d64).block_n == 256 and not resolve(d64, hopper_config(d64), asked)["SOFTMAX_UNDER_PV"]
+
+
+def test_softmax_under_pv_compiles_for_sm90_with_the_softmax_under_the_values_mma():
+    """Under ``SOFTMAX_UNDER_PV`` the NHD kernel at head sizes 128 and 256 compiles without spills, and (where the
+    disassembler ships with Triton) every wait for a tile's scores that leaves the previous ``P V`` in flight
+    (``WARPGROUP.DEPBAR.LE gsb0, 0x1``) is followed by the tile's exponentials before the wait for that ``P V``:
+    the softmax runs under it instead of after it."""
+    summaries = child_result("compile_softmax_under_pv")
+    assert sorted(summaries) == ["128", "256"]
+    for name, summary in summaries.items():
+        assert summary["spill_bytes"] in (0, None) and summary["wgmma"] > 0, (name, summary)
+        if summary["exponentials_under_pv"] is not None:
+            assert summary["exponentials_under_pv"], (name, summary)
+            assert min(summary["exponentials_under_pv"]) >= summary["block_n"] // 2, (name, summary)
+
+
+def compile_softmax_under_pv() -> dict:
+    """Codegen summaries of NHD calls under ``SOFTMAX_UNDER_PV``, with the count of exponentials between each
+    wait that leaves one MMA group in flight and the next wait for all of them (None without the disassembler)."""
+    import re
+
+    from pagedprefill.triton.codegen import compile_call, sass, summarize
+    from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
+
+    out = {}
+    for head_size in (128, 256):
+        problem = make_problem(SPEC.replace(head_size=head_size, query_lens=(400, 300), context_lens=(500, 0)))
+        s = problem_shape(problem)
+        config = hopper_config(s)
+        compiled = compile_call(hopper_prefill_kernel, kernel_call(problem, config, s, dict(SOFTMAX_UNDER_PV=True)),
+                                90)
+        text = sass(compiled)
+        under = None
+        if text is not None:
+            segments = re.findall(r"DEPBAR\.LE gsb0, 0x1 ;(.*?)DEPBAR\.LE gsb0, 0x0 ;", text, flags=re.S)
+            under = [segment.count("MUFU.EX2") for segment in segments]
+        out[str(head_size)] = {**summarize(compiled, 90).to_dict(), "block_n": config.block_n,
+                               "exponentials_under_pv": under}
+    return out
