@@ -20,12 +20,7 @@ from pagedprefill.triton.blocks import (
 )
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
 from .epilogue import store_partials, store_rows
 
@@ -54,12 +49,22 @@ def hand_back(cfg, ring, tiles):
 
 
 @gluon.jit
-def tile_keys(cfg, it, rows, walk, kv_len):
-    """Key tile ``it`` of ``walk``: ``(n0, key_end, needs_mask)``, the position of its first key, the end of the
-    keys it may hold and whether any of its keys is masked (past the keys, the causal diagonal, the window's
-    start). ``kv_len``: the positions the cache holds for the sequence."""
+def softmax_tile(cfg, scores, m_i, l_i, it, q_pos, alibi2, offs_n, rows, walk, kv_len, window, softcap,
+                 qk_scale,
+                 p_layout: gl.constexpr, p_dtype: gl.constexpr):
+    """One online-softmax step on the raw scores of key tile ``it`` of ``walk``: log2-domain logits, the masks
+    only where the tile needs them (past the keys, the causal diagonal, the window's start), the running max and
+    sum, and P as the next MMA's operand. ``kv_len``: the positions the cache holds for the sequence. Under
+    ``FUSED_SCALE`` (without softcap and ALiBi, which need the scaled scores) the scale is folded into each key's
+    exponent.
+
+    Returns ``(P, alpha, m, l)``; the caller rescales its accumulator by ``alpha``.
+    """
     BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
     CAUSAL: gl.constexpr = cfg.FEATURES.CAUSAL
+    WINDOW: gl.constexpr = cfg.FEATURES.WINDOW
+    SOFTCAP: gl.constexpr = cfg.FEATURES.SOFTCAP
+    ALIBI: gl.constexpr = cfg.FEATURES.ALIBI
     if it < walk.cache_tiles:
         n0 = walk.cache_start + it * BLOCK_N
         key_end = kv_len
@@ -72,37 +77,15 @@ def tile_keys(cfg, it, rows, walk, kv_len):
         needs_mask = n0 + BLOCK_N > key_end
         if CAUSAL:
             needs_mask = needs_mask | (n0 + BLOCK_N - 1 > walk.pos_first)
-    if cfg.FEATURES.WINDOW:
+    if WINDOW:
         needs_mask = needs_mask | (n0 < walk.full_from)
-    return n0, key_end, needs_mask
-
-
-@gluon.jit
-def softmax_tile(cfg, scores, m_i, l_i, q_pos, alibi2, offs_n, n0, key_end, needs_mask, window, softcap, qk_scale):
-    """One online-softmax step on the raw scores of the key tile that starts at position ``n0``
-    (:func:`tile_keys`): log2-domain logits, the masks where ``needs_mask``, the running max and sum. Under
-    ``FUSED_SCALE`` (without softcap and ALiBi, which need the scaled scores) the scale is folded into each key's
-    exponent.
-
-    Returns ``(P, alpha, m, l)`` with P in float32 (:func:`p_operand` makes it the ``P V`` operand); the caller
-    rescales its accumulator by ``alpha``.
-    """
-    CAUSAL: gl.constexpr = cfg.FEATURES.CAUSAL
-    WINDOW: gl.constexpr = cfg.FEATURES.WINDOW
-    SOFTCAP: gl.constexpr = cfg.FEATURES.SOFTCAP
-    ALIBI: gl.constexpr = cfg.FEATURES.ALIBI
     k_pos = n0 + offs_n
     SCALE_IN_EXP: gl.constexpr = cfg.SCHEDULE.FUSED_SCALE and not SOFTCAP and not ALIBI
     scores = scale_logits(scores, k_pos, q_pos, alibi2, qk_scale, softcap, SOFTCAP, ALIBI, SCALE_IN_EXP)
     if needs_mask:
         scores = gl.where(visible(q_pos, k_pos, k_pos < key_end, window, CAUSAL, WINDOW), scores, float("-inf"))
-    return softmax_step(scores, m_i, l_i, qk_scale, SCALE_IN_EXP)
-
-
-@gluon.jit
-def p_operand(p, p_layout: gl.constexpr, p_dtype: gl.constexpr):
-    """P (float32, the scores' layout) as the register A operand of ``P V``."""
-    return gl.convert_layout(p.to(p_dtype), p_layout)
+    p, alpha, m_new, l_i = softmax_step(scores, m_i, l_i, qk_scale, SCALE_IN_EXP)
+    return gl.convert_layout(p.to(p_dtype), p_layout), alpha, m_new, l_i
 
 
 @gluon.jit
@@ -165,14 +148,6 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
         idle = rows.tok0 + ROW0 // cfg.TILE.HEADS_PER_TILE >= rows.q_len
     if idle:
         hand_back(cfg, ring, cache_tiles + walk.new_tiles)
-    elif cfg.SCHEDULE.SOFTMAX_UNDER_PV:
-        acc, m_i, l_i = overlapped_loop(cfg, ring, q_smem, acc, m_i, l_i, q_pos, alibi2, offs_n, rows, walk, kv_len,
-                                        window, softcap, qk_scale, qk_scale_cache, v_scale, s_layout, o_layout,
-                                        p_layout)
-        if cfg.TILE.KEY_SPLITS > 1:
-            store_partials(cfg, acc, m_i, l_i, head, out_rows, row_ok, rows, output, o_layout)
-        else:
-            store_rows(cfg, acc, m_i, l_i, head, out_rows, row_ok, per_head, scales, output, o_layout)
     else:
         for it in range(cache_tiles + walk.new_tiles):
             s = it % STAGES
@@ -186,10 +161,8 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
             tile_scale = qk_scale
             if FP8_CACHE and from_cache:
                 tile_scale = qk_scale_cache
-            n0, key_end, needs_mask = tile_keys(cfg, it, rows, walk, kv_len)
-            p, alpha, m_i, l_i = softmax_tile(cfg, scores, m_i, l_i, q_pos, alibi2, offs_n, n0, key_end, needs_mask,
-                                              window, softcap, tile_scale)
-            p_op = p_operand(p, p_layout, ring.v.dtype)
+            p_op, alpha, m_i, l_i = softmax_tile(cfg, scores, m_i, l_i, it, q_pos, alibi2, offs_n, rows, walk, kv_len,
+                                                 window, softcap, tile_scale, p_layout, ring.v.dtype)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             if CACHED_VT and from_cache:
                 # Cached values arrive transposed (V^T pages) in their own ring, new tokens' values as rows.
@@ -207,86 +180,3 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
             store_partials(cfg, acc, m_i, l_i, head, out_rows, row_ok, rows, output, o_layout)
         else:
             store_rows(cfg, acc, m_i, l_i, head, out_rows, row_ok, per_head, scales, output, o_layout)
-
-
-@gluon.jit
-def overlapped_step(cfg, ring, q_smem, zeros, acc, p_op, m_i, l_i, s, prev, q_pos, alibi2, offs_n, n0, key_end,
-                    window, softcap, tile_scale, anchor, MASKED: gl.constexpr):
-    """One step of :func:`overlapped_loop`: tile ``it``'s ``Q K^T`` (buffer ``s``) and tile ``it - 1``'s ``P V``
-    (buffer ``prev``) issued as asynchronous MMAs, the scores waited for, their softmax (masked where
-    ``MASKED``) while the ``P V`` runs, then that ``P V`` waited for. Returns ``(acc, P of it - 1, P, alpha, m,
-    l)``."""
-    pending = warpgroup_mma(q_smem, ring.k.index(s).permute((1, 0)), zeros, use_acc=False, is_async=True)
-    running = warpgroup_mma(p_op, ring.v.index(prev), acc, is_async=True)
-    scores = warpgroup_mma_wait(1, deps=[pending])
-    p, alpha, m_i, l_i = softmax_tile(cfg, scores, m_i, l_i, q_pos, alibi2, offs_n, n0, key_end, MASKED, window,
-                                      softcap, tile_scale)
-    anchor.store(l_i)
-    acc, p_op = warpgroup_mma_wait(0, deps=[running, p_op])
-    return acc, p_op, p, alpha, m_i, l_i
-
-
-@gluon.jit
-def overlapped_loop(cfg, ring, q_smem, acc, m_i, l_i, q_pos, alibi2, offs_n, rows, walk, kv_len, window, softcap,
-                    qk_scale, qk_scale_cache, v_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                    p_layout: gl.constexpr):
-    """The key loop under ``SOFTMAX_UNDER_PV`` (NHD): ``P V`` one tile behind, so that the softmax of tile ``it``
-    runs while tile ``it - 1``'s ``P V`` is on the tensor cores, the time a consumer otherwise spends waiting for
-    its own MMAs. Tile ``it - 1``'s buffer goes back once its ``P V`` is done.
-
-    Whether a tile is masked is decided before its MMAs are issued, each case a step of its own
-    (:func:`overlapped_step`): ``ptxas`` waits for every MMA in flight at a branch, so a mask branch between the
-    issue and the wait would leave nothing under the ``P V``. Nor is any MMA in flight across the loop's back
-    edge. Returns ``(acc, m, l)``."""
-    BLOCK_M: gl.constexpr = cfg.ROWS
-    BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
-    STAGES: gl.constexpr = cfg.TILE.STAGES
-    FP8_CACHE: gl.constexpr = cfg.LAYOUT.FP8_CACHE
-    p_dtype: gl.constexpr = ring.v.dtype
-    cache_tiles = walk.cache_tiles
-    tiles = cache_tiles + walk.new_tiles
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    zeros = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    p_op = gl.zeros([BLOCK_M, BLOCK_N], p_dtype, p_layout)
-    anchor = gl.allocate_shared_memory(gl.float32, [BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    if tiles > 0:  # the first tile's scores: no P V before them
-        wait_tile(cfg, ring, 0, 0 < cache_tiles)
-        scores = warpgroup_mma(q_smem, ring.k.index(0).permute((1, 0)), zeros, use_acc=False)
-        n0, key_end, needs_mask = tile_keys(cfg, 0, rows, walk, kv_len)
-        tile_scale = qk_scale
-        if FP8_CACHE and 0 < cache_tiles:
-            tile_scale = qk_scale_cache
-        p, alpha, m_i, l_i = softmax_tile(cfg, scores, m_i, l_i, q_pos, alibi2, offs_n, n0, key_end, needs_mask,
-                                          window, softcap, tile_scale)
-        p_op = p_operand(p, p_layout, p_dtype)
-    for it in range(1, tiles):
-        s = it % STAGES
-        prev = (it - 1) % STAGES
-        n0, key_end, needs_mask = tile_keys(cfg, it, rows, walk, kv_len)
-        tile_scale = qk_scale
-        if FP8_CACHE and it < cache_tiles:
-            tile_scale = qk_scale_cache
-        wait_tile(cfg, ring, it, it < cache_tiles)
-        if needs_mask:
-            acc, p_op, p, alpha, m_i, l_i = overlapped_step(cfg, ring, q_smem, zeros, acc, p_op, m_i, l_i, s, prev,
-                                                            q_pos, alibi2, offs_n, n0, key_end, window, softcap,
-                                                            tile_scale, anchor, True)
-        else:
-            acc, p_op, p, alpha, m_i, l_i = overlapped_step(cfg, ring, q_smem, zeros, acc, p_op, m_i, l_i, s, prev,
-                                                            q_pos, alibi2, offs_n, n0, key_end, window, softcap,
-                                                            tile_scale, anchor, False)
-        gl.thread_barrier()
-        mbarrier.arrive(ring.empty.index(prev), count=1)
-        if FP8_CACHE:
-            if it == cache_tiles:  # the cached tiles are done: their values' scale, once
-                acc = acc * v_scale
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        p_op = p_operand(p, p_layout, p_dtype)
-    if tiles > 0:  # the last tile's P V
-        acc = warpgroup_mma(p_op, ring.v.index((tiles - 1) % STAGES), acc)
-        gl.thread_barrier()
-        mbarrier.arrive(ring.empty.index((tiles - 1) % STAGES), count=1)
-    if FP8_CACHE:
-        if walk.new_tiles == 0:  # no new tile followed the cached ones
-            acc = acc * v_scale
-    return acc, m_i, l_i

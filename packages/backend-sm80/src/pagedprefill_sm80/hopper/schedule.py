@@ -65,7 +65,7 @@ FP8_CACHES = (KVCacheDType.FP8_E4M3, KVCacheDType.FP8_E5M2)
 #: Every flag, with its value before a route's flags and the resolution apply.
 DEFAULTS = dict(HEAVY_FIRST=True, PINGPONG=True, IDLE_HALF=True, WIDE_PRODUCER=False, KEY_LOADS=False,
                 VALUES_FIRST=False, WIDE_KEY_CHUNKS=False, EARLY_KEYS=False, F32_WIDENING=True, FP8_BOXES=False,
-                WIDEN_TO_V=False, FUSED_SCALE=True, FP8_SCORES=True, SOFTMAX_UNDER_PV=False)
+                WIDEN_TO_V=False, FUSED_SCALE=True, FP8_SCORES=True)
 
 #: Schedule flags read from the environment at each bind (``"KEY_LOADS=1,EARLY_KEYS=0"``), over the route's
 #: flags and under a caller's own: for running a suite or the bench under a schedule that is not a route's
@@ -108,7 +108,6 @@ class Schedule(NamedTuple):
     WIDEN_TO_V: bool
     FUSED_SCALE: bool
     FP8_SCORES: bool
-    SOFTMAX_UNDER_PV: bool
     PRODUCER_WARPS: int
     PRODUCER_REGS: int
     CONSUMER_REGS: int
@@ -199,10 +198,6 @@ def resolve(shape: ProblemShape, config: TileConfig, schedule: Optional[dict] = 
     flags["FUSED_SCALE"] = bool(flags["FUSED_SCALE"])
     flags["FP8_SCORES"] = bool(flags["FP8_SCORES"]) and fp8_scores_fit(shape)
     flags["HEAVY_FIRST"] = bool(flags["HEAVY_FIRST"])
-    # The values' ring is known at compile time only in NHD (the split layout's come from two rings). Not on
-    # 256-key tiles (head size 64), where the scores beside the accumulator leave ptxas too few registers: it
-    # spills and serialises every warpgroup MMA.
-    flags["SOFTMAX_UNDER_PV"] = bool(flags["SOFTMAX_UNDER_PV"]) and not split and config.block_n <= 128
     return flags
 
 
@@ -244,7 +239,6 @@ def kernel_schedule(flags: dict, shape: ProblemShape, config: TileConfig) -> Sch
                     VALUES_FIRST=flags["VALUES_FIRST"], EARLY_KEYS=flags["EARLY_KEYS"],
                     F32_WIDENING=flags["F32_WIDENING"], FP8_BOXES=flags["FP8_BOXES"], WIDEN_TO_V=flags["WIDEN_TO_V"],
                     FUSED_SCALE=flags["FUSED_SCALE"], FP8_SCORES=flags["FP8_SCORES"],
-                    SOFTMAX_UNDER_PV=flags["SOFTMAX_UNDER_PV"],
                     PRODUCER_WARPS=producer_warps,
                     PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs)
 
@@ -265,8 +259,6 @@ def shared_bytes(shape: ProblemShape, config: TileConfig, schedule: Optional[dic
     if shape.kv_cache_dtype.is_fp8:
         fp8_tiles = 1 if flags["FP8_SCORES"] and shape.layout is KVLayout.NHD else 2
         total += config.num_stages * fp8_tiles * config.block_n * d  # the FP8 ring
-    if flags["SOFTMAX_UNDER_PV"]:
-        total += config.block_m * 4  # each consumer's row sums, stored to order its softmax before its wait
     return total + 1024
 
 
