@@ -2,7 +2,8 @@
 
 Compares the public drop-in (``context_attention_fwd``, default validation), the library's launcher alone,
 and a bare Triton launch of the same kernel with its arguments prepared once (what a hand-written launch
-of a seed-style kernel costs). Prints microseconds per call.
+of a seed-style kernel costs); then the drop-ins on the same batch with a 256-page block table, whose keys
+the policy splits (two launches). Prints microseconds per call.
 
 Usage: python ci/gpu/host_overhead.py [nhd|split]   (the cache layout; split by default)
 """
@@ -87,6 +88,35 @@ def hopper_rows(p, backend, info, drop_in) -> dict:
     return rows
 
 
+def split_rows(spec, backend, info) -> dict:
+    """The same tiny batch with a block table as wide as a serving engine's (256 pages: 4096 keys per
+    sequence), on which the policy splits the keys (a kernel launch and the combine), and what allocating the
+    partial rows costs of it."""
+    from pagedprefill.triton.launch import partial_rows
+
+    wide = make_problem(spec.replace(extra_columns=256 - 2), "cuda")
+    shape = problem_shape(wide)
+    splits = backend.tile_config(shape, info).key_splits
+    c, b = wide.cache, wide.batch
+
+    def drop_in():
+        pp.context_attention_fwd(wide.q, wide.k, wide.v, wide.out, "auto", c.key, c.value, b.block_table,
+                                 b.query_start, b.seq_lens, b.context_lens, 4)
+
+    def vllm_drop_in():
+        vllm_context_attention_fwd(wide.q, wide.k, wide.v, wide.out, "auto", c.key, c.value, b.block_table,
+                                   b.query_start, b.seq_lens, None, 4, 1.0, 1.0)
+
+    forget()
+    rows = per_call_us({
+        f"context_attention_fwd, 256 pages, {splits} splits": drop_in,
+        f"vllm.context_attention_fwd, 256 pages, {splits} splits": vllm_drop_in,
+        f"partial rows' allocation, {splits} splits": lambda: partial_rows(wide.q, max(2, splits)),
+    })
+    forget()
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("layout", nargs="?", choices=("nhd", "split"), default="split", help="the cache layout")
@@ -131,8 +161,9 @@ def main(argv=None):
     forget()
     if info.capability[0] == 9:
         rows.update(hopper_rows(p, backend, info, drop_in))
+    rows.update(split_rows(spec, backend, info))
     for name, (us, low, high) in rows.items():
-        print(f"host overhead {spec.layout:<5} {name:<36} {us:7.1f} us/call (rounds {low:.1f}-{high:.1f})")
+        print(f"host overhead {spec.layout:<5} {name:<52} {us:7.1f} us/call (rounds {low:.1f}-{high:.1f})")
 
 
 if __name__ == "__main__":

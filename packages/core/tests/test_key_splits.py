@@ -16,6 +16,7 @@ from pagedprefill.tiling import (
     MAX_KEY_SPLITS,
     MAX_SPLIT_WAVES,
     SPLIT_WAVE_EFFICIENCY,
+    UNSPLIT_WALK_TILES,
     ProblemShape,
     TileConfig,
     key_splits_for,
@@ -82,3 +83,31 @@ def test_a_device_without_multiprocessor_count_never_splits():
 def test_a_tile_refuses_key_splits_outside_its_range(bad):
     with pytest.raises(ValueError, match="key_splits"):
         TileConfig(key_splits=bad)
+
+
+@pytest.mark.parametrize(("num_seqs", "tokens", "pages", "kv_in_cache", "expected"), [
+    (4, 1, 2, True, 1),      # 32 keys of pages of 16: one tile, nothing to split
+    (4, 1, 2, False, 1),     # and the new tokens' keys passed apart: a tile of their own, two in all
+    (4, 1, 32, True, 1),     # 512 keys: four tiles, a walk the combine would cost as much as it saves
+    (4, 1, 33, True, 4),     # five tiles: the wave rule decides (4 decode rows x 8 KV heads, 4 splits)
+    (2, 8, 48, True, 6),     # 16 programs would take 8 splits; six tiles allow six
+    (2, 8, 40, False, 6),    # five cached tiles and the new tokens' one
+    (4, 1, 256, True, 4),    # 4096 keys: the wave rule alone
+    (4, 1, None, True, 4),   # a width the shape does not know: the wave rule alone
+])
+def test_no_more_splits_than_the_block_tables_width_holds_key_tiles(num_seqs, tokens, pages, kv_in_cache,
+                                                                     expected):
+    s = shape(num_seqs, tokens, pages_per_seq=pages, kv_in_cache=kv_in_cache)
+    splits = key_splits_for(s, TILE, H200)
+    assert splits == expected
+    bound = s.key_tiles_bound(TILE.block_n)
+    assert bound is None or (splits == 1 if bound <= UNSPLIT_WALK_TILES else splits <= bound)
+
+
+def test_problem_shapes_carry_the_block_tables_width():
+    from pagedprefill.testing import BatchSpec, make_problem
+    from pagedprefill.tiling import problem_shape
+
+    p = make_problem(BatchSpec(query_lens=(4, 3), context_lens=(16, 9), num_heads=4, num_kv_heads=2,
+                               head_size=64, block_size=16, dtype=torch.float32), "cpu")
+    assert problem_shape(p).pages_per_seq == p.batch.block_table.shape[1]

@@ -49,6 +49,7 @@ class ProblemShape:
     a backend remembers its policy's tile, and such values would only split that memo. ``fp8_query``: ``q`` is
     FP8 (``dtype`` is then the 16-bit type the call computes in); ``kv_in_cache``: the new tokens' keys and
     values are read from the cache (``k = v = None``), so that every key tile is a cache page's.
+    ``pages_per_seq``: the block table's width, which bounds every sequence's cached keys (None when unknown).
     """
 
     head_size: int
@@ -63,6 +64,7 @@ class ProblemShape:
     layout: KVLayout = KVLayout.NHD
     fp8_query: bool = False
     kv_in_cache: bool = False
+    pages_per_seq: Optional[int] = None
 
     def __post_init__(self) -> None:
         # Spellings are accepted ("fp8_e4m3", "split"); the shape holds the enums, which compare equal to them.
@@ -86,6 +88,14 @@ class ProblemShape:
     def query_len_bound(self) -> int:
         """Best host-side upper bound of one sequence's new tokens (no device read)."""
         return self.max_query_len if self.max_query_len is not None else self.num_tokens
+
+    def key_tiles_bound(self, block_n: int) -> Optional[int]:
+        """Most key tiles of ``block_n`` keys one sequence can walk (its cached pages' and, when the new tokens'
+        keys come separately, theirs), from the block table's width; None when the width is unknown."""
+        if self.pages_per_seq is None:
+            return None
+        cached = -(-self.pages_per_seq * self.block_size // block_n)
+        return cached if self.kv_in_cache else cached + -(-self.query_len_bound // block_n)
 
     @property
     def workload(self) -> str:
@@ -217,6 +227,9 @@ MAX_KEY_SPLITS = 32
 #: allows it: its programs do about the same work (each split takes the same number of key tiles), so a last
 #: wave that is partly empty leaves the rest of the device idle for a whole program's time.
 SPLIT_WAVE_EFFICIENCY = 0.9
+#: Walks of at most this many key tiles are not split: the combine's launch costs about as much GPU time as the
+#: walk it would shorten (a tile of 128 keys streams in well under a microsecond).
+UNSPLIT_WALK_TILES = 4
 #: The most waves of programs a split launch makes (a bound on its partial rows, and on the work each split
 #: repeats: its query tile's load and its partial row).
 MAX_SPLIT_WAVES = 4
@@ -242,17 +255,25 @@ def key_splits_for(shape: ProblemShape, config: TileConfig, device: DeviceInfo) 
     rather than 9 x 32 = 288, two full waves and one of 18%), else the split count that fills them best. Decided
     from the shape alone (no lengths read, so no host synchronisation, and a fixed grid and scratch size:
     CUDA-graph safe); a sequence whose keys are fewer than the splits leaves the surplus programs empty, which
-    write an empty partial row. At most :data:`MAX_KEY_SPLITS` splits and :data:`MAX_SPLIT_WAVES` waves, so the
-    partial rows (:func:`split_scratch_bytes`) hold at most ``MAX_SPLIT_WAVES x SMs x block_m`` rows (69 MB at
-    head size 256 on an H200, 35 MB at 128).
+    write an empty partial row. No more splits than the key tiles the block table's width allows
+    (:meth:`ProblemShape.key_tiles_bound`), and none where that is at most :data:`UNSPLIT_WALK_TILES`. At most
+    :data:`MAX_KEY_SPLITS` splits and :data:`MAX_SPLIT_WAVES` waves, so the partial rows
+    (:func:`split_scratch_bytes`) hold at most ``MAX_SPLIT_WAVES x SMs x block_m`` rows (69 MB at head size 256
+    on an H200, 35 MB at 128).
     """
     tiles, heads, _ = launch_grid(shape, config.with_(key_splits=1))
     programs = tiles * heads
     sms = max(1, device.num_sms or 0)
     if programs == 0 or programs >= sms:  # nothing to launch, or enough programs to fill the device
         return 1
+    most = min(MAX_KEY_SPLITS, MAX_SPLIT_WAVES * sms // programs)
+    key_tiles = shape.key_tiles_bound(config.block_n)
+    if key_tiles is not None:
+        if key_tiles <= UNSPLIT_WALK_TILES:
+            return 1
+        most = min(most, key_tiles)
     best = 1
-    for splits in range(1, min(MAX_KEY_SPLITS, MAX_SPLIT_WAVES * sms // programs) + 1):
+    for splits in range(1, most + 1):
         efficiency = wave_efficiency(splits * programs, sms)
         if efficiency >= SPLIT_WAVE_EFFICIENCY:
             return splits
@@ -302,4 +323,5 @@ def problem_shape(problem: PrefillProblem) -> ProblemShape:
         layout=problem.cache.layout,
         fp8_query=problem.q.dtype in FP8_QUERY_DTYPES,
         kv_in_cache=problem.kv_in_cache,
+        pages_per_seq=problem.batch.block_table.shape[1],
     )
