@@ -94,7 +94,7 @@ def split_rows(spec, backend, info) -> dict:
     partial rows costs of it."""
     from pagedprefill.triton.launch import partial_rows
 
-    wide = make_problem(spec.replace(extra_columns=256 - 2), "cuda")
+    wide = make_problem(spec.replace(extra_columns=256 - 1), "cuda")
     shape = problem_shape(wide)
     splits = backend.tile_config(shape, info).key_splits
     c, b = wide.cache, wide.batch
