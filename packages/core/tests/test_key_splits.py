@@ -88,16 +88,17 @@ def test_a_tile_refuses_key_splits_outside_its_range(bad):
 @pytest.mark.parametrize(("num_seqs", "tokens", "pages", "kv_in_cache", "expected"), [
     (4, 1, 2, True, 1),      # 32 keys of pages of 16: one tile, nothing to split
     (4, 1, 2, False, 1),     # and the new tokens' keys passed apart: a tile of their own, two in all
-    (4, 1, 32, True, 1),     # 512 keys: four tiles, a walk the combine would cost as much as it saves
-    (4, 1, 33, True, 4),     # five tiles: the wave rule decides (4 decode rows x 8 KV heads, 4 splits)
-    (2, 8, 48, True, 6),     # 16 programs would take 8 splits; six tiles allow six
-    (2, 8, 40, False, 6),    # five cached tiles and the new tokens' one
-    (4, 1, 256, True, 4),    # 4096 keys: the wave rule alone
+    (4, 1, 128, True, 1),    # 2048 keys: 16 tiles, a walk shorter than a split launch and its combine cost
+    (4, 1, 120, False, 1),   # 15 cached tiles and the new tokens' one
+    (4, 1, 129, True, 4),    # 17 tiles: the wave rule decides (4 decode rows x 8 KV heads, 4 splits)
+    (1, 1, 160, True, 20),   # one row of two KV heads would take 32 splits; 20 tiles allow 20
+    (1, 1, 152, False, 20),  # 19 cached tiles and the new tokens' one
     (4, 1, None, True, 4),   # a width the shape does not know: the wave rule alone
 ])
 def test_no_more_splits_than_the_block_tables_width_holds_key_tiles(num_seqs, tokens, pages, kv_in_cache,
                                                                      expected):
-    s = shape(num_seqs, tokens, pages_per_seq=pages, kv_in_cache=kv_in_cache)
+    heads = dict(num_heads=8, num_kv_heads=2) if num_seqs == 1 else {}
+    s = shape(num_seqs, tokens, pages_per_seq=pages, kv_in_cache=kv_in_cache, **heads)
     splits = key_splits_for(s, TILE, H200)
     assert splits == expected
     bound = s.key_tiles_bound(TILE.block_n)

@@ -227,9 +227,10 @@ MAX_KEY_SPLITS = 32
 #: allows it: its programs do about the same work (each split takes the same number of key tiles), so a last
 #: wave that is partly empty leaves the rest of the device idle for a whole program's time.
 SPLIT_WAVE_EFFICIENCY = 0.9
-#: Walks of at most this many key tiles are not split: the combine's launch costs about as much GPU time as the
-#: walk it would shorten (a tile of 128 keys streams in well under a microsecond).
-UNSPLIT_WALK_TILES = 4
+#: Walks of at most this many key tiles are not split: a split launch and its combine cost more GPU time than the
+#: walk they shorten. On an H100 (ci/gpu/split_sweep.py) 4 decode rows took 21.6 us unsplit against 25.4 in 4
+#: splits on 1024 keys, and 34.8 against 29.0 on 2048 (17 tiles of 128): the split pays from about 16 tiles on.
+UNSPLIT_WALK_TILES = 16
 #: The most waves of programs a split launch makes (a bound on its partial rows, and on the work each split
 #: repeats: its query tile's load and its partial row).
 MAX_SPLIT_WAVES = 4

@@ -127,9 +127,9 @@ BATCH_SHAPES = {
     "long_prefill_among_decode_rows": BatchSpec(query_lens=(700,) + (1,) * 15, context_lens=(300,) + (500,) * 15,
                                                 num_heads=16, num_kv_heads=2, head_size=128, block_size=16,
                                                 dtype=torch.float16, seed=24),
-    # 64 decode rows fill an H200 (528 programs); one alone is 8 programs, whose keys sm80's policy splits 15
-    # ways there.
-    "decode_row_alone": BatchSpec(query_lens=(1,) * 64, context_lens=(2000,) * 64, num_heads=32, num_kv_heads=8,
+    # 64 decode rows fill an H200 (528 programs); one alone is 8 programs, whose keys (32 tiles of 128) sm80's
+    # policy splits 15 ways there.
+    "decode_row_alone": BatchSpec(query_lens=(1,) * 64, context_lens=(4000,) * 64, num_heads=32, num_kv_heads=8,
                                   head_size=128, block_size=16, dtype=torch.bfloat16, seed=25),
 }
 
