@@ -7,7 +7,13 @@ checked against the float32 reference before it is timed; the times are medians 
 alternating rounds. What it answers: from how many key tiles on does a split pay for its combine
 (:data:`pagedprefill.tiling.UNSPLIT_WALK_TILES`).
 
+``--kernels`` also reads each plan's kernels off the profiler (``torch.profiler``, one call at a time, the GPU idle
+between calls): the GPU time of the attention kernel and of the combine, and the span from the first kernel's
+start to the last one's end, medians over ``--kernel-calls`` calls. Those figures hold no host time, which the
+event timings can: a call's events enclose the host's launch of its second kernel.
+
 Usage: python ci/gpu/split_sweep.py [--contexts 128,256,512,1024,2048,4096] [--splits 2,4,8] [--rounds 5]
+       [--tokens 1,8] [--kernels]
 One line per row: microseconds per call of each split count, and the policy's count.
 """
 
@@ -41,20 +47,48 @@ def plan_with_splits(backend, problem, info, splits):
         forget()
 
 
+def kernel_times(plan, problem, calls: int) -> dict:
+    """Medians over ``calls`` calls of ``plan``, each alone on an idle GPU, of its kernels' GPU time as the
+    profiler records it: ``kernels_us`` (one figure per kernel, in launch order) and ``span_us`` (first start to
+    last end)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            plan(problem)
+            torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                      and e.time_range.end > e.time_range.start), key=lambda e: e.time_range.start)
+    per_call = len(kernels) // calls if calls else 0
+    if per_call == 0 or len(kernels) % calls:
+        return dict(kernels_us=[], span_us=float("nan"), names=[e.name for e in kernels[:4]])
+    calls_kernels = [kernels[i * per_call:(i + 1) * per_call] for i in range(calls)]
+    durations = [statistics.median(c[k].time_range.end - c[k].time_range.start for c in calls_kernels)
+                 for k in range(per_call)]
+    span = statistics.median(c[-1].time_range.end - c[0].time_range.start for c in calls_kernels)
+    return dict(kernels_us=durations, span_us=span, names=[e.name[:40] for e in calls_kernels[0]])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", default="128,256,512,768,1024,2048,4096", help="cached keys per sequence")
     parser.add_argument("--splits", default="2,4,8", help="split counts timed beside 1 and the policy's")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=50, help="do_bench budget per timing, ms")
+    parser.add_argument("--tokens", default="1,8", help="new tokens per sequence: 1 (4 decode rows), 8 (2 "
+                        "speculative rows of 8), as a list")
+    parser.add_argument("--kernels", action="store_true", help="also each plan's kernel times off the profiler")
+    parser.add_argument("--kernel-calls", type=int, default=30)
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",") if c]
+    shapes = [{1: (4, 1), 8: (2, 8)}[int(t)] for t in args.tokens.split(",") if t]
     counts = sorted({1, *(int(s) for s in args.splits.split(",") if s)})
     info = DeviceInfo.detect(torch.device("cuda"))
     backend = get_registry().get("sm80")
     results, ok = [], True
-    for seqs, tokens in ((4, 1), (2, 8)):
+    for seqs, tokens in shapes:
         for ctx in contexts:
             spec = BatchSpec(**LLAMA3_8B, query_lens=(tokens,) * seqs, context_lens=(ctx,) * seqs, spare_blocks=0,
                              layout="nhd", kv_in_cache=True, seed=ctx)
@@ -79,8 +113,15 @@ def main(argv=None) -> int:
             cells = " | ".join(f"{label} {t:6.1f}" for label, t in zip(labels, us))
             print(f"{seqs} x {tokens} tokens on {ctx:>5} keys ({tiles} tiles of {policy.block_n}): {cells} us",
                   flush=True)
-            results.append(dict(seqs=seqs, tokens=tokens, context=ctx, key_tiles=tiles,
-                                policy_splits=policy.key_splits, us=dict(zip(labels, us))))
+            row = dict(seqs=seqs, tokens=tokens, context=ctx, key_tiles=tiles, policy_splits=policy.key_splits,
+                       us=dict(zip(labels, us)))
+            if args.kernels:
+                row["profiled"] = {label: kernel_times(plan, problem, args.kernel_calls)
+                                   for label, plan in zip(labels, plans)}
+                cells = " | ".join(f"{label} " + "+".join(f"{k:.1f}" for k in t["kernels_us"])
+                                   + f" (span {t['span_us']:.1f})" for label, t in row["profiled"].items())
+                print(f"    GPU kernels, us: {cells}", flush=True)
+            results.append(row)
             del plans, problem, expect
     if args.json:
         with open(args.json, "w") as fh:

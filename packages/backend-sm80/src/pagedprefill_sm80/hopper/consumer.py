@@ -24,6 +24,10 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from .epilogue import store_partials, store_rows
 
+#: Under ``LAZY_RESCALE``, how far (log2 units) a tile's maximum may exceed a row's running max before the max
+#: moves and the accumulator is rescaled: P's entries then stay at most 2^8.
+RESCALE_GROWTH = gl.constexpr(8.0)
+
 
 @gluon.jit
 def wait_tile(cfg, ring, it, from_cache):
@@ -84,7 +88,8 @@ def softmax_tile(cfg, scores, m_i, l_i, it, q_pos, alibi2, offs_n, rows, walk, k
     scores = scale_logits(scores, k_pos, q_pos, alibi2, qk_scale, softcap, SOFTCAP, ALIBI, SCALE_IN_EXP)
     if needs_mask:
         scores = gl.where(visible(q_pos, k_pos, k_pos < key_end, window, CAUSAL, WINDOW), scores, float("-inf"))
-    p, alpha, m_new, l_i = softmax_step(scores, m_i, l_i, qk_scale, SCALE_IN_EXP)
+    MAX_GROWTH: gl.constexpr = RESCALE_GROWTH if cfg.SCHEDULE.LAZY_RESCALE else 0.0
+    p, alpha, m_new, l_i = softmax_step(scores, m_i, l_i, qk_scale, SCALE_IN_EXP, MAX_GROWTH)
     return gl.convert_layout(p.to(p_dtype), p_layout), alpha, m_new, l_i
 
 
@@ -161,9 +166,15 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
             tile_scale = qk_scale
             if FP8_CACHE and from_cache:
                 tile_scale = qk_scale_cache
+            m_old = m_i
             p_op, alpha, m_i, l_i = softmax_tile(cfg, scores, m_i, l_i, it, q_pos, alibi2, offs_n, rows, walk, kv_len,
                                                  window, softcap, tile_scale, p_layout, ring.v.dtype)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            if cfg.SCHEDULE.LAZY_RESCALE:
+                # alpha is exactly 1 on every row whose max stayed: one vote of the consumer's rows decides.
+                if gl.max((m_i != m_old).to(gl.int32), 0) > 0:
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            else:
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             if CACHED_VT and from_cache:
                 # Cached values arrive transposed (V^T pages) in their own ring, new tokens' values as rows.
                 acc = warpgroup_mma(p_op, ring.vt.index(s).permute((1, 0)), acc)

@@ -37,6 +37,10 @@ has the figures of these and of the variants that lost and were removed):
   the producer widens only the values; ``P V`` stays 16-bit. Against the query widened as it is loaded: 1.26 x
   (NHD) and 1.13 x (split) on the prefix-cached row, 1.10 x at head size 64, with the same error against a
   float64 oracle (2.2-2.4e-3 relative L2 from 1k to 128k keys).
+* ``LAZY_RESCALE``: a row's running max moves only when a tile's maximum exceeds it by more than
+  :data:`~.consumer.RESCALE_GROWTH` (8 in log2 units), and a consumer rescales its accumulator only on tiles
+  where one of its rows' max moved (a vote of its rows); on the other tiles the 64 multiplies per thread are
+  skipped. Off until measured.
 
 An FP8 cache is always widened by the producer warpgroup, once per tile, into the 16-bit ring both
 consumers read.
@@ -65,7 +69,7 @@ FP8_CACHES = (KVCacheDType.FP8_E4M3, KVCacheDType.FP8_E5M2)
 #: Every flag, with its value before a route's flags and the resolution apply.
 DEFAULTS = dict(HEAVY_FIRST=True, PINGPONG=True, IDLE_HALF=True, WIDE_PRODUCER=False, KEY_LOADS=False,
                 VALUES_FIRST=False, WIDE_KEY_CHUNKS=False, EARLY_KEYS=False, F32_WIDENING=True, FP8_BOXES=False,
-                WIDEN_TO_V=False, FUSED_SCALE=True, FP8_SCORES=True)
+                WIDEN_TO_V=False, FUSED_SCALE=True, FP8_SCORES=True, LAZY_RESCALE=False)
 
 #: Schedule flags read from the environment at each bind (``"KEY_LOADS=1,EARLY_KEYS=0"``), over the route's
 #: flags and under a caller's own: for running a suite or the bench under a schedule that is not a route's
@@ -108,6 +112,7 @@ class Schedule(NamedTuple):
     WIDEN_TO_V: bool
     FUSED_SCALE: bool
     FP8_SCORES: bool
+    LAZY_RESCALE: bool
     PRODUCER_WARPS: int
     PRODUCER_REGS: int
     CONSUMER_REGS: int
@@ -198,6 +203,7 @@ def resolve(shape: ProblemShape, config: TileConfig, schedule: Optional[dict] = 
     flags["FUSED_SCALE"] = bool(flags["FUSED_SCALE"])
     flags["FP8_SCORES"] = bool(flags["FP8_SCORES"]) and fp8_scores_fit(shape)
     flags["HEAVY_FIRST"] = bool(flags["HEAVY_FIRST"])
+    flags["LAZY_RESCALE"] = bool(flags["LAZY_RESCALE"])
     return flags
 
 
@@ -239,7 +245,7 @@ def kernel_schedule(flags: dict, shape: ProblemShape, config: TileConfig) -> Sch
                     VALUES_FIRST=flags["VALUES_FIRST"], EARLY_KEYS=flags["EARLY_KEYS"],
                     F32_WIDENING=flags["F32_WIDENING"], FP8_BOXES=flags["FP8_BOXES"], WIDEN_TO_V=flags["WIDEN_TO_V"],
                     FUSED_SCALE=flags["FUSED_SCALE"], FP8_SCORES=flags["FP8_SCORES"],
-                    PRODUCER_WARPS=producer_warps,
+                    LAZY_RESCALE=flags["LAZY_RESCALE"], PRODUCER_WARPS=producer_warps,
                     PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs)
 
 

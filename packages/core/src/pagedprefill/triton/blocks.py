@@ -332,7 +332,7 @@ def visible(q_pos, k_pos, k_valid, window, CAUSAL: tl.constexpr, WINDOW: tl.cons
 
 
 @triton.jit
-def softmax_step(s, m_i, l_i, qk_scale, SCALE_IN_EXP: tl.constexpr = False):
+def softmax_step(s, m_i, l_i, qk_scale, SCALE_IN_EXP: tl.constexpr = False, MAX_GROWTH: tl.constexpr = 0.0):
     """One online-softmax step on a tile of log2 logits ``s`` (:func:`scale_logits`): ``(p, alpha, m, l)``, the
     unnormalised probabilities, the factor the accumulator is rescaled by, and the running max and sum.
 
@@ -340,11 +340,18 @@ def softmax_step(s, m_i, l_i, qk_scale, SCALE_IN_EXP: tl.constexpr = False):
     taken on the raw scores and scaled once (the same maximum), and each key's scale and subtraction of the
     maximum are one fused multiply-add. Rows whose logits so far are all ``-inf`` keep ``m = -inf`` and
     contribute nothing (no NaN; a masked key's ``-inf * scale - m`` stays ``-inf``).
+
+    ``MAX_GROWTH`` > 0: a row's running max moves only when the tile's maximum exceeds it by more than that many
+    log2 units, so that ``alpha`` is exactly 1 on most tiles and a caller can skip the rescale; the
+    probabilities then reach at most ``2 ** MAX_GROWTH``, which the 16-bit ``P`` and the float32 sums hold
+    exactly as well as 1 (the result is the same up to rounding: ``m`` is only the reference of both).
     """
     row_max = tl.max(s, 1)
     if SCALE_IN_EXP:
         row_max = row_max * qk_scale
     m_new = tl.maximum(m_i, row_max)
+    if MAX_GROWTH > 0:
+        m_new = tl.where(m_new > m_i + MAX_GROWTH, m_new, m_i)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
     if SCALE_IN_EXP:
