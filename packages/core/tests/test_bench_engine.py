@@ -355,3 +355,43 @@ def test_fa4_splits_no_keys_on_sm90_and_lets_its_heuristic_choose_elsewhere(monk
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     assert fa4.num_splits(torch.device("cuda", 0)) == expected
     assert fa4.num_splits(torch.device("cpu")) == 0
+
+
+def test_every_column_of_a_workload_is_timed_in_alternating_rounds():
+    order = []
+
+    def time_ms(run, reps):
+        order.append(run)
+        return float(len(order))
+
+    rows = bench.run_engine_suite(["reference"], WORKLOADS[:1], CPU, layouts=("split", "nhd"), time_ms=time_ms,
+                                  rounds=3)
+    timed = [r for r in rows if "ms" in r]
+    assert [r["impl"] for r in timed] == ["engine", "nhd", "split", "reference"]
+    runs = len(timed)
+    assert len(order) == 3 * runs
+    assert order[:runs] == list(reversed(order[runs:2 * runs])) == order[2 * runs:]  # forwards, back, forwards
+    for r in timed:
+        assert len(r["rounds_ms"]) == 3 and r["ms"] == sorted(r["rounds_ms"])[1]
+
+
+def test_the_models_suite_lists_each_shard_as_a_prefix_cached_a_chunked_and_a_decode_row(capsys):
+    assert main(["bench", "--suite", "models", "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    suite = workloads.models_suite()
+    assert len(lines) == 2 + len(suite) == 2 + 3 * len(workloads.model_shards())
+    assert len({w.name for w in suite}) == len(suite)
+    assert any(line.startswith("| Llama-3-70B TP8 8/1 D128 prefix-cached") and "| 8/1 | 128 |" in line
+               for line in lines)
+    assert any(line.startswith("| Falcon-7B TP1 71/1 D64 decode 128x ctx 2k") and line.endswith("| yes |")
+               for line in lines)
+    groups = {w.spec.num_heads // w.spec.num_kv_heads for w in suite}
+    assert set(range(1, 9)) <= groups and max(groups) == 71
+
+
+def test_a_model_shards_its_kv_heads_until_each_gpu_holds_one():
+    llama70 = workloads.ModelHeads("Llama-3-70B", 64, 8, 128)
+    assert [llama70.per_gpu(tp) for tp in (1, 2, 4, 8)] == [(64, 8), (32, 4), (16, 2), (8, 1)]
+    assert workloads.ModelHeads("Qwen2.5-7B", 28, 4, 128).per_gpu(4) == (7, 1)
+    with pytest.raises(ValueError, match="tp: Falcon-7B's 71 query heads do not divide among 2 GPUs"):
+        workloads.ModelHeads("Falcon-7B", 71, 1, 64).per_gpu(2)

@@ -1,6 +1,7 @@
 """Workloads: random paged batches (:class:`BatchSpec`, :func:`make_problem`) for tests, the demo, ``bench``
 and ``tune``, and the benchmark suites (:func:`default_suite`, :func:`context_suite`, :func:`engine_suite`,
-with exact FLOP counts and, for memory-bound rows, the K/V bytes a call must read: :func:`kv_bytes`).
+:func:`models_suite`, with exact FLOP counts and, for memory-bound rows, the K/V bytes a call must read:
+:func:`kv_bytes`).
 
 Data is N(0, 1) (never zeros), lengths are ragged, and each sequence's blocks are a random subset of the
 cache in shuffled order, with unused blocks also filled with random data, so wrong indexing shows.
@@ -331,8 +332,78 @@ def long_context_engine_rows(base: BatchSpec) -> list[Workload]:
     ]
 
 
+@dataclass(frozen=True)
+class ModelHeads:
+    """A model's attention shape: query heads, KV heads and head size over all its GPUs, and the tensor-parallel
+    degrees it is commonly served at."""
+
+    name: str
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    tensor_parallel: tuple[int, ...] = (1, 2, 4, 8)
+
+    def per_gpu(self, tp: int) -> tuple[int, int]:
+        """``(query heads, KV heads)`` one GPU holds at tensor-parallel degree ``tp``: the heads divided among the
+        GPUs, and a KV head replicated on each GPU whose query heads it serves when there are fewer KV heads than
+        GPUs (as serving engines shard them)."""
+        if self.num_heads % tp:
+            raise ValueError(f"tp: {self.name}'s {self.num_heads} query heads do not divide among {tp} GPUs")
+        return self.num_heads // tp, max(1, self.num_kv_heads // tp)
+
+
+#: The models of the ``models`` suite (their attention shapes only; no weights are involved).
+MODELS = (
+    ModelHeads("Llama-3-8B", 32, 8, 128),
+    ModelHeads("Llama-3-70B", 64, 8, 128),
+    ModelHeads("Llama-3.2-3B", 24, 8, 128),
+    ModelHeads("Qwen2.5-7B", 28, 4, 128, (1, 2, 4)),
+    ModelHeads("Qwen2-1.5B", 12, 2, 128, (1, 2)),
+    ModelHeads("Qwen2.5-14B/32B", 40, 8, 128),
+    ModelHeads("Gemma-2-9B", 16, 8, 256),
+    ModelHeads("Phi-3-mini", 32, 32, 96),
+    ModelHeads("Falcon-7B", 71, 1, 64, (1,)),
+)
+
+
+def model_shards() -> list[tuple[str, int, int, int]]:
+    """``(label, query heads, KV heads, head size)`` for every model of :data:`MODELS` at each of its
+    tensor-parallel degrees, one GPU's share; a shape two shards share appears once, under the first label."""
+    seen, out = set(), []
+    for model in MODELS:
+        for tp in model.tensor_parallel:
+            heads, kv_heads = model.per_gpu(tp)
+            if (heads, kv_heads, model.head_size) in seen:
+                continue
+            seen.add((heads, kv_heads, model.head_size))
+            out.append((f"{model.name} TP{tp}", heads, kv_heads, model.head_size))
+    return out
+
+
+def models_suite() -> list[Workload]:
+    """One GPU's share of each model's heads (:func:`model_shards`: Llama-3 8B and 70B, Llama-3.2-3B, Qwen2.5
+    7B and 14B/32B, Qwen2-1.5B, Gemma-2-9B at head size 256, Phi-3-mini at 96, Falcon-7B's MQA at 64, at tensor-parallel
+    degrees 1 to 8), each as a prefix-cached prefill, a chunked prefill and a decode step, bf16, pages of 16.
+    Row names start with the shard (``"Llama-3-70B TP8 8/1 ..."``), so that ``--only`` picks a model, a degree or
+    a head shape."""
+    out = []
+    for label, heads, kv_heads, head_size in model_shards():
+        base = BatchSpec(num_heads=heads, num_kv_heads=kv_heads, head_size=head_size, block_size=16,
+                         dtype=torch.bfloat16, spare_blocks=0)
+        name = f"{label} {heads}/{kv_heads} D{head_size}"
+        out += [
+            Workload(f"{name} prefix-cached 8x(1024+7168)", base.replace(query_lens=(1024,) * 8,
+                                                                          context_lens=(7168,) * 8)),
+            Workload(f"{name} chunked 4x2048 ctx 0..30k", base.replace(query_lens=(2048,) * 4,
+                                                                      context_lens=(0, 10000, 20000, 30000))),
+            Workload(f"{name} decode 128x ctx 2k", base.replace(query_lens=(1,) * 128, context_lens=(2048,) * 128),
+                     memory_bound=True),
+        ]
+    return out
+
+
 #: The suites ``pagedprefill bench --suite`` runs, by name.
-SUITES = {"default": default_suite, "context": context_suite, "engine": engine_suite}
+SUITES = {"default": default_suite, "context": context_suite, "engine": engine_suite, "models": models_suite}
 
 
 def attended_pairs(spec: BatchSpec) -> int:

@@ -13,10 +13,12 @@ the public drop-in ``context_attention_fwd``, against a bare Triton launch of co
 arguments prepared once (what a hand-written launch of such a kernel costs; a backend's own kernel, such as
 sm80's Hopper kernel, takes a launch of the same kind).
 
-The engine suite (``--suite engine``, :func:`run_engine_suite`) times each workload the way a serving engine
-calls attention: ``pagedprefill.vllm.context_attention_fwd`` with k = v = None on an NHD cache that holds every
-token (the new tokens' keys and values written into it first), beside the classic drop-in on each layout asked
-for, all on the same data; its peer is FlashAttention-4 (:mod:`.fa4`) whenever ``flash_attn.cute`` imports.
+The engine suite (``--suite engine``, :func:`run_engine_suite`), and the models suite (``--suite models``: one
+GPU's heads of common models at tensor-parallel degrees 1-8) timed the same way, time each workload the way a
+serving engine calls attention: ``pagedprefill.vllm.context_attention_fwd`` with k = v = None on an NHD cache
+that holds every token (the new tokens' keys and values written into it first), beside the classic drop-in on
+each layout asked for, all on the same data, in alternating rounds; its peer is FlashAttention-4 (:mod:`.fa4`)
+whenever ``flash_attn.cute`` imports.
 Every column's output is compared with the float32 reference before it is timed, and a wrong one is reported
 and not timed. Memory-bound rows also get GB/s of the K/V bytes the call must read
 (:func:`~pagedprefill.workloads.kv_bytes`).
@@ -24,6 +26,7 @@ and not timed. Memory-bound rows also get GB/s of the K/V bytes the call must re
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import sys
@@ -36,6 +39,7 @@ import torch
 from .. import accelerator
 from ..cache import gather_kv
 from ..features import check_runnable
+from ..timing import alternating_rounds
 from ..types import PrefillProblem
 from ..workloads import (
     SUITES,
@@ -328,11 +332,10 @@ def _peak_extra_mib(run: Callable[[], object], device: torch.device) -> Optional
     return (accelerator.max_memory_allocated(device) - base) / 2**20
 
 
-def measure_column(workload: Workload, column: Column, expected: torch.Tensor, device: torch.device, reps: int,
-                   time_ms: Callable[[Callable[[], object], int], float]) -> dict:
-    """The row of ``column`` on ``workload``: its first call (compile included), its output checked against
-    ``expected``, then its median time, TFLOP/s and, for a memory-bound workload, GB/s. A column that is
-    refused, fails (a peer) or computes a wrong output gets a ``status`` and a ``reason`` and is not timed."""
+def check_column(workload: Workload, column: Column, expected: torch.Tensor, device: torch.device) -> dict:
+    """The row of ``column`` on ``workload`` before it is timed: its first call (compile included), its output
+    checked against ``expected`` and the memory one call allocates. A column that is refused, fails (a peer) or
+    computes a wrong output gets a ``status`` and a ``reason`` and is not timed."""
     row = {"workload": workload.name, "impl": column.label, "note": workload.note,
            "memory_bound": workload.memory_bound, **column.fields}
     if column.refused is not None:
@@ -351,11 +354,25 @@ def measure_column(workload: Workload, column: Column, expected: torch.Tensor, d
         if not row["within_tolerance"]:
             return {**row, "status": "wrong output", "reason": _wrong_reason(row)}
     row["peak_extra_mib"] = _peak_extra_mib(column.run, device)
-    ms = time_ms(column.run, 10 if column.fields.get("call") == "reference" else reps)  # it is slow: as run_suite
-    row.update(ms=ms, tflops=flops(workload.spec) / ms / 1e9)
-    if workload.memory_bound:
-        row["gbps"] = kv_bytes(workload.spec) / ms / 1e6
     return row
+
+
+def time_columns(workload: Workload, checked: list[tuple[dict, Column]], reps: int, rounds: int,
+                 time_ms: Callable[[Callable[[], object], int], float]) -> None:
+    """Time every checked column of ``workload`` (``(row, column)`` pairs from :func:`check_column`, those with a
+    ``status`` left out) in ``rounds`` rounds that alternate their order, so that a change of the GPU's clocks
+    during the workload (heat after the reference's float32 pass, a compile's idle seconds) falls on every column
+    alike; each row gets the median of its rounds (``ms``, its TFLOP/s and, memory-bound, GB/s) and the rounds."""
+    timed = [(row, column) for row, column in checked if "status" not in row]
+    # The reference is slow: a few repetitions, as run_suite takes.
+    calls = [functools.partial(time_ms, column.run, 10 if column.fields.get("call") == "reference" else reps)
+             for _, column in timed]
+    rounds_ms = alternating_rounds(calls, rounds, lambda call: call())
+    for (row, _), times in zip(timed, rounds_ms):
+        ms = statistics.median(times)
+        row.update(ms=ms, tflops=flops(workload.spec) / ms / 1e9, rounds_ms=times)
+        if workload.memory_bound:
+            row["gbps"] = kv_bytes(workload.spec) / ms / 1e6
 
 
 def _wrong_reason(row: dict) -> str:
@@ -403,15 +420,17 @@ def _runnable(backends: list[str], info, say: Callable[[str], None]) -> list[str
 def run_engine_suite(backends: list[str], workloads: list[Workload], device: torch.device, reps: int = 100,
                      with_reference: bool = True, progress: Optional[Callable[[str], None]] = None,
                      layouts=("split", "nhd"), fa4=None,
-                     time_ms: Optional[Callable[[Callable[[], object], int], float]] = None) -> list[dict]:
+                     time_ms: Optional[Callable[[Callable[[], object], int], float]] = None,
+                     rounds: int = 3) -> list[dict]:
     """Time every workload the engine's way and the classic way for each backend, and its peers; one row per
     (workload, column).
 
     Each workload is built once in the engine's form (NHD, k = v = None) and its classic twins are read off it
     (:func:`~pagedprefill.workloads.classic_twin`), so that every column computes the same attention; the
-    float32 reference of it checks every column's output before the column is timed. ``fa4``: the imported
-    ``flash_attn.cute`` (see :func:`.fa4.load`), or None for no FA4 columns. ``time_ms(run, reps)``: the
-    median milliseconds of ``run`` (default: ``triton.testing.do_bench``, device events).
+    float32 reference of it checks every column's output before the columns are timed, in ``rounds``
+    alternating rounds (:func:`time_columns`). ``fa4``: the imported ``flash_attn.cute`` (see :func:`.fa4.load`),
+    or None for no FA4 columns. ``time_ms(run, reps)``: the median milliseconds of ``run`` (default:
+    ``triton.testing.do_bench``, device events).
     """
     from ..device import DeviceInfo
 
@@ -427,8 +446,9 @@ def run_engine_suite(backends: list[str], workloads: list[Workload], device: tor
         expected = reference_output(engine)
         columns = (our_columns(runnable, engine_forms(engine, layouts), info)
                    + peer_columns(engine, fa4, with_reference, info))
-        for column in columns:
-            row = measure_column(workload, column, expected, device, reps, time_ms)
+        checked = [(check_column(workload, column, expected, device), column) for column in columns]
+        time_columns(workload, checked, reps, rounds, time_ms)
+        for row, _ in checked:
             rows.append(row)
             say(progress_line(row))
         del engine, expected, columns
@@ -648,6 +668,10 @@ def print_tables(rows: list[dict], engine: bool) -> None:
     print(format_table(rows, "first_call_s", "{:.1f}"))
 
 
+#: Suites timed the engine's way and the classic way, with FA4 beside them (:func:`run_engine_suite`).
+ENGINE_FORM_SUITES = ("engine", "models")
+
+
 def cmd_bench(args) -> int:
     from ..api import select_backend
     from ..device import DeviceInfo, current_accelerator_type
@@ -667,13 +691,13 @@ def cmd_bench(args) -> int:
     start = time.time()
     layouts = ("split", "nhd") if args.layout == "both" else (args.layout,)
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    engine = args.suite == "engine"
+    engine = args.suite in ENGINE_FORM_SUITES
     peers = {}
     if engine:
         module, peers["fa4"] = fa4_peer.load()
         say(peers["fa4"])
         rows = run_engine_suite(backends, suite, device, reps=args.reps, with_reference=not args.no_reference,
-                                progress=say, layouts=layouts, fa4=module)
+                                progress=say, layouts=layouts, fa4=module, rounds=args.rounds)
     else:
         rows = run_suite(backends, suite, device, reps=args.reps, with_reference=not args.no_reference,
                          progress=say, layouts=layouts)
@@ -712,11 +736,16 @@ def register(sub) -> None:
                    help="workloads to time: the performance table's (default); context scaling, 2 x 1024 new "
                         "tokens on 8k, 32k and 128k cached (context); or a serving engine's batches, each timed "
                         "as the engine calls it (k = v = None, every key and value in the NHD cache) and the "
-                        "classic way, with FlashAttention-4 beside them when flash_attn.cute imports (engine)")
+                        "classic way, with FlashAttention-4 beside them when flash_attn.cute imports (engine); "
+                        "or, timed the same way, one GPU's share of the heads of common models at tensor-parallel "
+                        "degrees 1-8, each as a prefix-cached, a chunked and a decode row (models)")
     p.add_argument("--only", action="append", help="run workloads whose name contains this (repeatable)")
     p.add_argument("--list", action="store_true",
                    help="list the suite's workloads (shapes, TFLOP, K/V bytes) and exit; needs no device")
     p.add_argument("--reps", type=positive_int, default=200, help="do_bench repetition budget in ms (default 200)")
+    p.add_argument("--rounds", type=positive_int, default=3,
+                   help="engine and models suites: alternating rounds in which every column of a workload is "
+                        "timed, the median reported (default %(default)s)")
     p.add_argument("--layout", choices=["split", "nhd", "both"], default="both",
                    help="cache layout(s) the backends read (default: %(default)s)")
     p.add_argument("--no-reference", action="store_true", help="skip timing the reference implementation")
