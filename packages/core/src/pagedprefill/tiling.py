@@ -210,6 +210,45 @@ def settle(config: TileConfig, shape: ProblemShape) -> TileConfig:
     return config
 
 
+#: A policy's measured head packing is kept while its tiles fill at least this share of the rows that the best
+#: packing for the shape fills (:func:`pack_heads`).
+PACKING_TOLERANCE = 0.97
+
+
+def row_efficiency(shape: ProblemShape, block_m: int, heads: int) -> float:
+    """The share of a launch's tile rows that hold a (new token, query head) pair when ``heads`` query heads of
+    each KV group share a tile of ``block_m`` rows, for sequences of the shape's mean new tokens (no lengths are
+    read). Rows go to waste three ways: a last chunk of the group with fewer heads than the others (a group of
+    3 in chunks of 2), rows past ``(block_m // heads) * heads`` (3 heads in 128 rows leave 2), and the last,
+    partial tile of each sequence's tokens."""
+    group = max(1, shape.group_size)
+    heads = max(1, min(heads, group, block_m))
+    tokens = max(1.0, shape.num_tokens / max(1, shape.num_seqs))
+    per_tile = block_m // heads
+    chunks = -(-group // heads)
+    tiles = -(-tokens // per_tile)
+    return tokens * group / (tiles * chunks * block_m)
+
+
+def pack_heads(shape: ProblemShape, block_m: int, preferred: int) -> int:
+    """How many query heads of a KV group share a tile of ``block_m`` rows for calls of ``shape``: any count
+    from 1 to the group, not only one that divides it (the last tile's rows past its tokens stay empty).
+
+    ``preferred`` is the policy's measured packing (two heads on long calls, four on short ones at head size
+    128 on sm90), kept where its tiles fill at least :data:`PACKING_TOLERANCE` of the rows the best count fills.
+    Otherwise the count that fills the most rows, the larger on a tie (fewer tiles cross the causal diagonal):
+    a group of 3 on 1024-token sequences is packed one head per tile (every row used) rather than two (a
+    quarter of the rows empty), and a decode row packs its whole group into one tile.
+    """
+    group = max(1, shape.group_size)
+    preferred = max(1, min(preferred, group, block_m))
+    efficiency = {h: row_efficiency(shape, block_m, h) for h in range(1, min(group, block_m) + 1)}
+    best = max(efficiency.values())
+    if efficiency[preferred] >= PACKING_TOLERANCE * best:
+        return preferred
+    return max(h for h, e in efficiency.items() if e >= best * (1 - 1e-9))
+
+
 def launch_grid(shape: ProblemShape, config: TileConfig) -> tuple[int, int, int]:
     """Programs of one launch: ``(tiles of new tokens, KV heads x chunks of their query heads, key splits)``.
 

@@ -34,6 +34,13 @@ CASES: dict[str, dict] = {
     "gqa_4": {"num_heads": 8, "num_kv_heads": 2},
     "mqa_8": {"num_heads": 8, "num_kv_heads": 1},
     "gqa_3": {"num_heads": 6, "num_kv_heads": 2},
+    # every head group of the models' shards (1-8) and MQA with many heads: groups that no power of two divides
+    # are packed whole or one head per tile (tiling.pack_heads), their last tile's rows partly empty
+    "gqa_5": {"num_heads": 10, "num_kv_heads": 2},
+    "gqa_6": {"num_heads": 12, "num_kv_heads": 2},
+    "gqa_7": {"num_heads": 14, "num_kv_heads": 2},
+    "gqa_8": {"num_heads": 16, "num_kv_heads": 2},
+    "mqa_24": {"num_heads": 24, "num_kv_heads": 1, "head_size": 16},
     "head_size_1": {"head_size": 1},
     "head_size_24": {"head_size": 24},
     "head_size_80": {"head_size": 80},

@@ -1,0 +1,141 @@
+"""How many query heads of a KV group each tile should hold, per model shape (GPU, alternating rounds).
+
+For each row of the models suite (``pagedprefill bench --suite models --list``), built once in the serving
+engine's form (k = v = None, every key and value in the NHD cache), the sm80 backend binds the engine's call with
+the policy's tile and with the same tile holding other packings of the group (``--packings``: ``policy``, a
+number of heads, ``group`` for the whole group, ``half`` for half of it); where a packing changes the number of
+programs, the key splits are the policy's rule for it. Beside them: the classic call on the same data (the new
+tokens' keys and values passed separately, NHD) and, when ``flash_attn.cute`` imports, FlashAttention-4 on the
+paged cache. Every column's output is checked against the float32 reference before it is timed; the times are
+medians of ``do_bench`` medians over alternating rounds.
+
+Usage: python ci/gpu/heads_sweep.py [--only NAME ...] [--packings policy,1,2,group] [--rounds 3] [--reps 50]
+       [--json PATH] [--compile-only] [--no-fa4]
+Rows in the order of ``--only`` (each row once); one line per row: TFLOP/s (GB/s too for memory-bound rows) of
+each column; the JSON is written after every row. Exit status 1 when a column misses the conformance tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import triton.testing
+from pagedprefill.api import get_registry
+from pagedprefill.cli import fa4 as fa4_peer
+from pagedprefill.cli.bench import classic_call, output_error, reference_output
+from pagedprefill.device import DeviceInfo
+from pagedprefill.tiling import key_splits_for, problem_shape, settle
+from pagedprefill.timing import alternating_rounds
+from pagedprefill.workloads import classic_twin, flops, fresh_output, kv_bytes, make_problem, models_suite
+
+
+def packings(spec: str, group: int, policy: int) -> list[int]:
+    """The head counts ``spec`` names for a group of ``group`` heads whose policy packs ``policy``, without
+    repeats, the policy's first."""
+    out = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        heads = {"policy": policy, "group": group, "half": max(1, group // 2)}.get(item)
+        heads = int(item) if heads is None else heads
+        if 1 <= heads <= group and heads not in out:
+            out.append(heads)
+    return out
+
+
+def forced(backend, problem, info, heads: int):
+    """The backend's plan for the engine's call of ``problem`` with its policy's tile holding ``heads`` heads
+    of each group (key splits re-chosen for the packing), and that tile."""
+    shape = problem_shape(problem)
+    policy = backend.tile_config(shape, info)
+    config = settle(policy.with_(heads_per_tile=heads, key_splits=1), shape)
+    config = config.with_(key_splits=key_splits_for(shape, config, info) if policy.key_splits > 1 else 1)
+    backend.tile_config = lambda shape, device: config
+    try:
+        return backend.bind(problem, info), config
+    finally:
+        del backend.tile_config  # the class's memoised policy again
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append", default=[], help="rows whose name contains this (repeatable)")
+    parser.add_argument("--packings", default="policy,1,2,group", help="head counts per tile to time")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=50, help="do_bench budget per timing, ms")
+    parser.add_argument("--json", default="")
+    parser.add_argument("--no-fa4", action="store_true", help="leave FlashAttention-4 out even if it imports")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="bind each plan once, check and time nothing (to fill Triton's cache from several "
+                             "processes before the timing run)")
+    args = parser.parse_args(argv)
+    # In the order of --only, so that a run cut short has timed the rows named first.
+    suite = models_suite()
+    rows = suite if not args.only else list({wl.name: wl for part in args.only for wl in suite
+                                             if part in wl.name}.values())
+    if not rows:
+        parser.error(f"--only {args.only}: no row of the models suite matches")
+    info = DeviceInfo.detect(torch.device("cuda"))
+    backend = get_registry().get("sm80")
+    fa4 = None
+    if not (args.no_fa4 or args.compile_only):
+        fa4, line = fa4_peer.load()
+        print(line, flush=True)
+    results, ok = [], True
+    for wl in rows:
+        engine = make_problem(wl.spec.replace(layout="nhd", kv_in_cache=True), "cuda")
+        shape = problem_shape(engine)
+        policy = backend.tile_config(shape, info).heads_per_tile
+        columns = {}
+        for heads in packings(args.packings, shape.group_size, policy):
+            problem = fresh_output(engine)
+            plan, config = forced(backend, problem, info, heads)
+            label = f"engine h{heads}" + (" (policy)" if heads == policy else "")
+            columns[label] = (lambda p=plan, q=problem: (p(q), q.out)[1], config)
+        classic = classic_twin(engine, "nhd")
+        columns["nhd (policy)"] = (classic_call(classic, "sm80"), backend.tile_config(problem_shape(classic), info))
+        if args.compile_only:
+            for run, _ in columns.values():
+                run()
+            torch.cuda.synchronize()
+            print(f"compiled {wl.name}", flush=True)
+            continue
+        if fa4 is not None and fa4_peer.unsupported(engine) is None:
+            columns["fa4"] = (fa4_peer.paged_call(fa4, engine), None)
+        expect = reference_output(engine)
+        errors = {}
+        for label, (run, _) in columns.items():
+            error = output_error(run(), expect)
+            errors[label] = error.get("max_abs_err", float("nan"))
+            if not error["within_tolerance"]:
+                ok = False
+                print(f"FAIL {wl.name} {label}: {error}", flush=True)
+        labels = list(columns)
+        times = alternating_rounds([columns[label][0] for label in labels], args.rounds,
+                                   lambda fn: triton.testing.do_bench(fn, warmup=25, rep=args.reps,
+                                                                      return_mode="median"))
+        f, nbytes = flops(wl.spec), kv_bytes(wl.spec)
+        row = dict(workload=wl.name, group=shape.group_size, memory_bound=wl.memory_bound, columns={})
+        cells = []
+        for label, t in zip(labels, times):
+            ms = statistics.median(t)
+            config = columns[label][1]
+            row["columns"][label] = dict(ms=ms, tflops=f / ms / 1e9, gbps=nbytes / ms / 1e6, rounds_ms=t,
+                                         max_abs_err=errors[label],
+                                         config=None if config is None else config.to_dict())
+            cells.append(f"{label} {f / ms / 1e9:.1f}" + (f" ({nbytes / ms / 1e6:.0f} GB/s)" if wl.memory_bound
+                                                          else ""))
+        print(f"{wl.name}: " + " | ".join(cells), flush=True)
+        results.append(row)
+        if args.json:  # after every row: a run cut short keeps what it timed
+            with open(args.json, "w") as fh:
+                json.dump(dict(device=info.describe(), packings=args.packings, rows=results), fh, indent=1)
+        del engine, classic, columns, expect
+        torch.cuda.empty_cache()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
