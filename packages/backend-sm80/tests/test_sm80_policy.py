@@ -231,3 +231,20 @@ def test_hopper_launches_too_small_to_fill_the_gpu_split_their_keys(num_tokens, 
     assert config.key_splits == key_splits_for(shape, config.with_(key_splits=1), H200)
     kernel, why = Sm80Backend().kernel_choice(shape, H200)
     assert kernel == "hopper" and (f"split {splits} ways" in why) == (splits > 1), why
+
+
+@pytest.mark.parametrize("heads, kv_heads, tokens, expected", [
+    (32, 8, 1024, 2),   # the bench's group of 4: the measured two heads per tile
+    (64, 8, 1024, 8),   # groups of 5, 7 and 8: the whole group
+    (56, 8, 1024, 7),
+    (40, 8, 2048, 5),
+    (48, 8, 1024, 2),   # a group of 6: two heads per tile fill every row
+    (24, 8, 1024, 1),   # a group of 3 on prefix-cached rows: one head per tile fills the waves
+    (71, 1, 1024, 2),   # Falcon-7B's MQA: two heads per tile, not 71 heads of one token
+    (64, 8, 1, 8),      # a decode row: its whole group in one tile
+])
+def test_the_hopper_kernel_packs_each_models_group_as_measured(heads, kv_heads, tokens, expected):
+    shape = ProblemShape(head_size=128, num_heads=heads, num_kv_heads=kv_heads, dtype=torch.bfloat16,
+                         num_tokens=8 * tokens, num_seqs=8, max_query_len=tokens, kv_in_cache=True)
+    config = sm80_policy(shape, H200)
+    assert config.kernel == "hopper" and config.heads_per_tile == expected, config

@@ -319,3 +319,14 @@ def test_host_overhead_alternates_rounds_and_reports_the_median():
         cells.append(f"{result[name]:.1f} ({low:.1f}-{high:.1f})")
     table = format_overhead([result])
     assert f"| reference | nhd | {cells[0]} | {cells[1]} | - |" in table
+
+
+def test_info_shows_the_tile_and_head_packing_of_each_models_row():
+    proc = run_cli("info", "--describe", "h200", "--suite", "models")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert any("tiles and kernels for the models suite" in line for line in lines)
+    three = [line for line in lines if line.lstrip().startswith("Llama-3.2-3B TP1 24/8 D128 ")]
+    assert len(three) == 3 and all(" engine " in line for line in three), three
+    assert "[1 head x 128 tokens, 3 tiles per group]" in three[0]  # prefix-cached: a group of 3, one head per tile
+    assert "[3 heads x 42 tokens]" in three[2]  # decode: the whole group in one tile

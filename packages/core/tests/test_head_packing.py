@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagedprefill.tiling import PACKING_TOLERANCE, ProblemShape, TileConfig, launch_grid, pack_heads, row_efficiency
+from pagedprefill.tiling import (
+    PACKING_TOLERANCE,
+    ProblemShape,
+    TileConfig,
+    launch_grid,
+    pack_heads,
+    packing_score,
+    row_efficiency,
+)
 
 
 def shape(group: int, tokens_per_seq: int, seqs: int = 8, kv_heads: int = 8) -> ProblemShape:
@@ -32,13 +40,26 @@ def test_row_efficiency_counts_the_rows_the_launch_grid_fills(group, tokens):
 
 
 @pytest.mark.parametrize("group", [3, 5, 7])
-def test_groups_no_preferred_packing_divides_take_one_head_per_tile_on_long_calls(group):
-    """Two heads per tile leave a group of 3 a quarter of its rows empty (5: a sixth, 7: an eighth); one head per
-    tile fills every row of 1024-token sequences."""
+def test_groups_no_preferred_packing_divides_leave_the_preferred_packing(group):
+    """Two heads per tile leave a group of 3 a quarter of its rows empty (5: a sixth, 7: an eighth). A group of 3
+    takes one head per tile (three heads fill 96% of the rows: below the tolerance); 5 and 7 take the whole group
+    (98% full, level with one head per tile: the larger count wins)."""
     s = shape(group, 1024)
     assert row_efficiency(s, 128, 2) < PACKING_TOLERANCE
-    assert pack_heads(s, 128, preferred=2) == 1
-    assert row_efficiency(s, 128, 1) == 1.0
+    assert pack_heads(s, 128, preferred=2) == (1 if group == 3 else group)
+
+
+def test_the_waves_decide_a_group_of_3_on_prefix_cached_rows_and_chunks():
+    """On 132 multiprocessors, 1024-token sequences of a group of 3 in tiles of 42 tokens x 3 heads make 1600
+    programs: 12 full waves and 16 programs in a 13th (an H100 measured one head per tile 1.09 x); 2048-token
+    chunks make 392 programs per sequence, as many waves as one head per tile, so the three heads share each K/V
+    tile (1.16 x one head per tile on the models suite's chunked row)."""
+    prefix = shape(3, 1024)
+    assert packing_score(prefix, 128, 3, 132) < PACKING_TOLERANCE * packing_score(prefix, 128, 1, 132)
+    assert pack_heads(prefix, 128, preferred=2, sms=132) == 1
+    chunks = shape(3, 2048, seqs=4)
+    assert pack_heads(chunks, 128, preferred=2, sms=132) == 3
+    assert packing_score(prefix, 128, 2) == row_efficiency(prefix, 128, 2)  # no device: the rows alone
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 6, 8, 16])

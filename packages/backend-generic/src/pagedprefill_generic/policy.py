@@ -3,8 +3,9 @@
 * ``block_m`` 64 rows (32 for float32), ``block_n`` 64 keys for head sizes up to 64, else 32;
 * ``num_warps`` 4;
 * ``num_stages`` 2 on devices that pipeline global-to-shared copies (NVIDIA sm80+), else 1;
-* query heads of one KV group packed into a tile (up to ``block_m / 16`` heads), so each K/V tile is
-  loaded once for the whole group;
+* query heads of one KV group packed into a tile (up to ``block_m / 16`` heads, or the count that leaves
+  fewer rows empty for the group: :func:`pagedprefill.tiling.pack_heads`), so each K/V tile is loaded once for
+  the packed heads;
 * finally :func:`pagedprefill.tiling.shrink_to_fit` with a 48 KiB budget (or less if the device has
   less), so every head size up to 256 and every dtype fits.
 """
@@ -12,7 +13,7 @@
 from __future__ import annotations
 
 from pagedprefill.device import DeviceInfo
-from pagedprefill.tiling import ProblemShape, TileConfig, shrink_to_fit
+from pagedprefill.tiling import ProblemShape, TileConfig, pack_heads, shrink_to_fit
 
 SHARED_MEM_BUDGET = 48 * 1024
 
@@ -28,7 +29,7 @@ def generic_policy(shape: ProblemShape, device: DeviceInfo) -> TileConfig:
     """Pick the generic backend's tile for ``shape`` on ``device``."""
     block_m = 32 if shape.element_size >= 4 else 64
     block_n = 64 if shape.head_size_padded <= 64 else 32
-    heads = max(1, min(shape.group_size, block_m // 16))
+    heads = pack_heads(shape, block_m, block_m // 16, device.num_sms)
     config = TileConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=pipelining_stages(device),
                         heads_per_tile=heads, split_masks=True)
     budget = min(SHARED_MEM_BUDGET, device.max_shared_mem or SHARED_MEM_BUDGET)

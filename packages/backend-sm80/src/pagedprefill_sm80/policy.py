@@ -30,7 +30,7 @@ from importlib import resources
 from typing import Optional
 
 from pagedprefill.device import DeviceInfo
-from pagedprefill.tiling import ProblemShape, TileConfig, key_splits_for, settle, shrink_to_fit
+from pagedprefill.tiling import ProblemShape, TileConfig, key_splits_for, pack_heads, settle, shrink_to_fit
 from pagedprefill.tuning import load_table, lookup, table_key, user_table_path
 from pagedprefill.types import KVCacheDType, KVLayout
 
@@ -89,17 +89,46 @@ def rule_config(shape: ProblemShape, device: DeviceInfo) -> TileConfig:
     block_n = 64 if d <= 128 or wide else 32
     warps = 4 if (d <= 64 or block_m == 64) else 8
     stages = 3 if device.max_shared_mem >= 160 * 1024 and d <= 128 else 2
-    if shape.workload == "short":
-        heads = min(shape.group_size, 4)
-    else:
-        heads = min(shape.group_size, 2) if d == 128 else 1
     return TileConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
-                      heads_per_tile=max(1, heads))
+                      heads_per_tile=pack_heads(shape, block_m, portable_packing(shape), device.num_sms))
 
 
-def hopper_config(shape: ProblemShape) -> TileConfig:
-    """The Hopper kernel's tile: 128 rows over two consumer warpgroups, query heads of a KV group packed as in
-    :func:`rule_config`. Keys per step and ring depth, from the H200 timings (docs/performance.md):
+def portable_packing(shape: ProblemShape) -> int:
+    """The portable kernel's preferred head packing, measured on the H200 at a group of 4 (the bench's shape):
+    four heads per tile on short calls, two on long ones at head size 128, one at other head sizes.
+    :func:`pagedprefill.tiling.pack_heads` moves off it where another count fills the GPU better."""
+    if shape.workload == "short":
+        return 4
+    return 2 if shape.head_size_padded == 128 else 1
+
+
+#: Groups the Hopper kernel packs whole into its tiles on long calls (``ci/gpu/heads_sweep.py`` on an H100,
+#: 2026-12-07: the engine's call on the models suite's prefix-cached and chunked rows). Groups of up to 4 keep the
+#: packing measured at the bench's group of 4, and 6 its two heads per tile (level with six, rows as full);
+#: larger groups (MQA with dozens of heads) would leave a tile a handful of tokens: Falcon-7B's 71 heads in one
+#: tile of one token ran at 0.63 x two heads per tile.
+WHOLE_GROUP_SIZES = (5, 7, 8)
+
+
+def hopper_packing(shape: ProblemShape, measured: Optional[int] = None) -> int:
+    """The Hopper kernel's preferred head packing for calls of ``shape``: on long calls the whole group for the
+    groups of :data:`WHOLE_GROUP_SIZES` (a group of 8: 1.02-1.14 x two heads per tile on the prefix-cached rows,
+    1.01 x on the chunked one; 5 and 7: 1.01-1.02 x one head per tile on the prefix-cached rows at TP 2-8, 1.00 and
+    0.96 x at TP 1, 1.05 and 1.10 x on the chunked ones), else
+    ``measured`` (a table entry's, tuned at a group of 4) or the rule's two heads; on short calls ``measured`` or
+    four. :func:`pagedprefill.tiling.pack_heads` moves off it where another count fills the GPU better."""
+    if shape.workload == "short":
+        return measured or 4
+    if shape.group_size in WHOLE_GROUP_SIZES:
+        return shape.group_size
+    return measured or 2
+
+
+def hopper_config(shape: ProblemShape, sms: Optional[int] = None) -> TileConfig:
+    """The Hopper kernel's tile: 128 rows over two consumer warpgroups, the query heads of a KV group packed as
+    :func:`hopper_packing` prefers unless another count fills the ``sms`` multiprocessors better
+    (:func:`pagedprefill.tiling.pack_heads`). Keys per step and ring depth, from the H200 timings
+    (docs/performance.md):
 
     * head size up to 128, cache in the input dtype, NHD layout or a long prefill: 128 keys per step in a 2-deep
       ring (half the per-step work outside the MMAs: block-table reads, masks, the softmax's row reductions);
@@ -120,7 +149,7 @@ def hopper_config(shape: ProblemShape) -> TileConfig:
       many-short row with an FP8 cache, 128 keys were 0.97 x; at head size 96 the copies' producer spills beside
       the V ring.
     """
-    heads = max(1, min(shape.group_size, 4 if shape.workload == "short" else 2))
+    heads = pack_heads(shape, 128, hopper_packing(shape), sms)
     split, fp8 = shape.layout is KVLayout.SPLIT, shape.kv_cache_dtype.is_fp8
     if shape.head_size_padded > 128 and split:
         block_n, stages = 32, 2  # beside the split layout's own V^T ring (164 KiB)
@@ -196,7 +225,10 @@ def sm80_policy(shape: ProblemShape, device: DeviceInfo) -> TileConfig:
     if kernel == "hopper":
         config = tuned_config(shape, device, kernel)
         if config is None or shape_unfit_reason(shape, config, device.max_shared_mem) is not None:
-            config = hopper_config(shape)
+            config = hopper_config(shape, device.num_sms)
+        else:  # a table's key has no group: its entry's packing was tuned at the bench's group of 4
+            preferred = hopper_packing(shape, config.heads_per_tile)
+            config = config.with_(heads_per_tile=pack_heads(shape, config.block_m, preferred, device.num_sms))
         # Its fit was checked against the Hopper kernel's own shared-memory model (shape_unfit_reason): the
         # portable kernel's (shrink_to_fit) counts buffers this kernel does not allocate and would drop a stage
         # from a tile that fits (128 keys in 3 stages at head size 128: 225 KiB).
@@ -209,7 +241,12 @@ def sm80_policy(shape: ProblemShape, device: DeviceInfo) -> TileConfig:
 def portable_config(shape: ProblemShape, device: DeviceInfo) -> TileConfig:
     """The portable kernel's tile for ``shape``: its measured entry, else :func:`rule_config`, shrunk to the
     device's shared memory."""
-    config = tuned_config(shape, device, "portable") or rule_config(shape, device)
+    config = tuned_config(shape, device, "portable")
+    if config is None:
+        config = rule_config(shape, device)
+    else:  # a table's key has no group: its entry's packing is the preferred one
+        config = config.with_(heads_per_tile=pack_heads(shape, config.block_m, config.heads_per_tile,
+                                                        device.num_sms))
     return shrink_to_fit(config, shape, device)
 
 
@@ -218,7 +255,7 @@ def hopper_search_space(shape: ProblemShape, device: DeviceInfo) -> list[TileCon
     on 128 rows (and 256 keys in a 3-deep ring at head size 64 in the NHD layout), with its rule's head packing
     and without, where the kernel takes them and they fit the device's shared memory
     (:func:`pagedprefill_sm80.hopper.schedule.shared_bytes`)."""
-    rule = hopper_config(shape)
+    rule = hopper_config(shape, device.num_sms)
     out = [rule]
     steps = [(64, 3), (128, 2), (64, 2), (128, 3)]
     if shape.head_size_padded <= 64 and shape.layout is KVLayout.NHD:

@@ -210,8 +210,8 @@ def settle(config: TileConfig, shape: ProblemShape) -> TileConfig:
     return config
 
 
-#: A policy's measured head packing is kept while its tiles fill at least this share of the rows that the best
-#: packing for the shape fills (:func:`pack_heads`).
+#: Packings whose tiles do at least this share of the best packing's useful work (:func:`packing_score`) count as
+#: level with it (:func:`pack_heads`).
 PACKING_TOLERANCE = 0.97
 
 
@@ -230,23 +230,45 @@ def row_efficiency(shape: ProblemShape, block_m: int, heads: int) -> float:
     return tokens * group / (tiles * chunks * block_m)
 
 
-def pack_heads(shape: ProblemShape, block_m: int, preferred: int) -> int:
-    """How many query heads of a KV group share a tile of ``block_m`` rows for calls of ``shape``: any count
-    from 1 to the group, not only one that divides it (the last tile's rows past its tokens stay empty).
+def packing_score(shape: ProblemShape, block_m: int, heads: int, sms: Optional[int] = None) -> float:
+    """The share of the launch's capacity that does useful work with ``heads`` heads per tile: its
+    :func:`row_efficiency` times, given the device's ``sms``, the :func:`wave_efficiency` of its programs (one
+    per tile of each sequence's mean new tokens, KV head and chunk of the group), which decides the prefix-cached
+    rows of a group of 3: 1600 programs of 42 tokens x 3 heads fill 12 waves of 132 and 16 programs of a 13th,
+    where 1536 programs of 128 tokens x 1 head end in a wave 64% full (one head per tile measured 1.09 x)."""
+    score = row_efficiency(shape, block_m, heads)
+    if sms:
+        group = max(1, shape.group_size)
+        heads = max(1, min(heads, group, block_m))
+        tokens = max(1.0, shape.num_tokens / max(1, shape.num_seqs))
+        tiles = -(-tokens // (block_m // heads))
+        programs = int(tiles) * max(1, shape.num_seqs) * max(1, shape.num_kv_heads) * -(-group // heads)
+        score *= wave_efficiency(programs, sms)
+    return score
 
-    ``preferred`` is the policy's measured packing (two heads on long calls, four on short ones at head size
-    128 on sm90), kept where its tiles fill at least :data:`PACKING_TOLERANCE` of the rows the best count fills.
-    Otherwise the count that fills the most rows, the larger on a tie (fewer tiles cross the causal diagonal):
-    a group of 3 on 1024-token sequences is packed one head per tile (every row used) rather than two (a
-    quarter of the rows empty), and a decode row packs its whole group into one tile.
+
+def pack_heads(shape: ProblemShape, block_m: int, preferred: int, sms: Optional[int] = None) -> int:
+    """How many query heads of a KV group share a tile of ``block_m`` rows for calls of ``shape`` on a device of
+    ``sms`` multiprocessors: any count from 1 to the group, not only one that divides it (the last tile's rows
+    past its tokens stay empty).
+
+    Every count is scored (:func:`packing_score`); those within :data:`PACKING_TOLERANCE` of the best are level,
+    and of those, the ones whose rows are as full (:func:`row_efficiency`, within the same tolerance) stay: a
+    count that leaves rows empty gains nothing when the waves hide the loss. ``preferred``, the policy's
+    measured packing, is kept when it is among them; otherwise the largest of them (each K/V tile then serves
+    more heads). A group of 3 on 1024-token prefix-cached sequences runs one head per tile (two would leave a
+    quarter of the rows empty, three end the launch in a nearly empty wave), a group of 3 in 2048-token chunks
+    all three, and a decode row packs its whole group into one tile.
     """
     group = max(1, shape.group_size)
     preferred = max(1, min(preferred, group, block_m))
-    efficiency = {h: row_efficiency(shape, block_m, h) for h in range(1, min(group, block_m) + 1)}
-    best = max(efficiency.values())
-    if efficiency[preferred] >= PACKING_TOLERANCE * best:
-        return preferred
-    return max(h for h, e in efficiency.items() if e >= best * (1 - 1e-9))
+    scores = {h: packing_score(shape, block_m, h, sms) for h in range(1, min(group, block_m) + 1)}
+    best = max(scores.values())
+    level = [h for h, score in scores.items() if score >= PACKING_TOLERANCE * best]
+    rows = {h: row_efficiency(shape, block_m, h) for h in level}
+    fullest = max(rows.values())
+    level = [h for h in level if rows[h] >= PACKING_TOLERANCE * fullest]
+    return preferred if preferred in level else max(level)
 
 
 def launch_grid(shape: ProblemShape, config: TileConfig) -> tuple[int, int, int]:

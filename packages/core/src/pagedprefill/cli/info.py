@@ -63,26 +63,40 @@ def cmd_info(args) -> int:
         return 1
     print(f"choice: {chosen.name} (priority {chosen.priority})")
     if info.type != "cpu":
-        _print_routes(chosen, info)
+        _print_routes(chosen, info, args.suite)
     return 0
 
 
-def _print_routes(backend, info: DeviceInfo) -> None:
-    """The tile and kernel the chosen backend's policy picks for each workload of the bench suite."""
-    from ..backends.triton_base import spec_shape
-    from ..workloads import default_suite
+def packing(config, shape) -> str:
+    """How a tile holds the query heads of a KV group, in words: ``"3 heads x 42 tokens"`` and, when a group
+    takes several tiles, how many (``"2 heads x 64 tokens, 2 tiles per group"``)."""
+    heads = config.heads_per_tile
+    tokens = config.tokens_per_tile
+    text = f"{heads} head{'s' if heads > 1 else ''} x {tokens} token{'s' if tokens > 1 else ''}"
+    chunks = -(-shape.group_size // heads)
+    return text + (f", {chunks} tiles per group" if chunks > 1 else "")
 
-    print(f"{backend.name}'s tiles and kernels for the bench suite (pagedprefill bench):")
-    for workload in default_suite():
-        for layout in ("split", "nhd"):
-            spec = workload.spec.replace(layout=layout)
+
+def _print_routes(backend, info: DeviceInfo, suite: str = "default") -> None:
+    """The tile, head packing and kernel the chosen backend's policy picks for each workload of a bench suite:
+    both cache layouts for the default suite, the engine's call (k = v = None, NHD) for the engine and models
+    suites."""
+    from ..backends.triton_base import spec_shape
+    from ..workloads import SUITES
+
+    engine_form = suite in ("engine", "models")
+    print(f"{backend.name}'s tiles and kernels for the {suite} suite (pagedprefill bench --suite {suite}):")
+    for workload in SUITES[suite]():
+        for layout in (("nhd",) if engine_form else ("split", "nhd")):
+            spec = workload.spec.replace(layout=layout, kv_in_cache=engine_form)
             twin = spec.replace(query_lens=(3,) * len(spec.query_lens), context_lens=(5,) * len(spec.query_lens))
             shape = spec_shape(spec, twin)
             kernel, why = backend.kernel_choice(shape, info)
             config = backend.tile_config(shape, info)
             tile = "" if config is None else (f" {config.block_m}x{config.block_n} w{config.num_warps} "
-                                              f"s{config.num_stages} g{config.heads_per_tile}")
-            print(f"  {workload.name[:32]:<32} {layout:<5} {kernel}{tile}" + (f" ({why})" if why else ""))
+                                              f"s{config.num_stages} [{packing(config, shape)}]")
+            form = "engine" if engine_form else layout
+            print(f"  {workload.name[:60]:<60} {form:<6} {kernel}{tile}" + (f" ({why})" if why else ""))
 
 
 def register(sub) -> None:
@@ -92,4 +106,7 @@ def register(sub) -> None:
                    help="torch device to describe (default: the current GPU, else cpu)")
     p.add_argument("--describe", default=None, metavar="NAME",
                    help=f"describe a device that is not present: {', '.join(sorted(described_devices()))}")
+    p.add_argument("--suite", choices=["default", "engine", "models"], default="default",
+                   help="the bench suite whose tiles, head packing and kernels to show on a GPU (default: "
+                        "%(default)s)")
     p.set_defaults(func=cmd_info)

@@ -294,8 +294,8 @@ class FuzzGenerator:
         hkv = rng.randint(1, sizes.max_kv_heads)
         cap = max(1, min(MAX_GQA_RATIO, sizes.max_heads // hkv))
         r = rng.random()
-        if r < 0.8:  # the common ratios; large groups are rarer (their cost grows with the heads)
-            ratio = rng.choice([x for x in (1, 2, 3, 4) if x <= cap] or [1])
+        if r < 0.8:  # every group of the models' shards (1-8); larger groups are rarer (their cost grows with them)
+            ratio = rng.choice([x for x in range(1, 9) if x <= cap] or [1])
         elif r < 0.88:
             ratio = min(8, cap)
         elif r < 0.92:
