@@ -115,8 +115,8 @@ def tests(session: nox.Session) -> None:
     if not _no_venv(session):
         # The same requirements, resolved against the public index alone (metadata only): the pins must hold
         # for a user without this machine's local wheels. Skips with the reason when the index is unreachable.
-        session.run("python", "ci/check_pins.py", f"{CORE}[triton,test]", *BACKENDS.values())
-    install(session, CORE, *BACKENDS.values(), extras="triton,test", cpu_torch=True)
+        session.run("python", "ci/check_pins.py", f"{CORE}[triton,test,transformers]", *BACKENDS.values())
+    install(session, CORE, *BACKENDS.values(), extras="triton,test,transformers", cpu_torch=True)
     session.run("pytest", *pytest_args(session), f"{CORE}/tests")
     for path in BACKENDS.values():
         if (ROOT / path / "tests").exists():

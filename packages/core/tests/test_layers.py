@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("dispatch", ("runtime",)),
     ("operators", ("ops",)),
     ("public API", ("api", "vllm", "")),
-    ("tools", ("__main__", "cli", "testing")),
+    ("tools", ("__main__", "cli", "testing", "integrations")),
 )
 
 #: Upward imports inside a function: (importer, imported) -> why the importer needs it.

@@ -155,7 +155,7 @@ def test_the_tests_session_installs_what_every_core_test_needs(noxfile, monkeypa
     session = RecordingSession("venv")
     noxfile.tests(session)
     install = next(call for call in session.calls if call[0] == "install")
-    assert "packages/core[triton,test]" in _editables(install), install
+    assert "packages/core[triton,test,transformers]" in _editables(install), install
     pyproject = (NOXFILE.parent / "packages" / "core" / "pyproject.toml").read_text()
     test_extra = re.search(r"^test = \[(.*)\]$", pyproject, re.M).group(1)
     assert '"pytest-xdist' in test_extra, test_extra

@@ -1,0 +1,247 @@
+"""End to end on the GPU: transformers' continuous batching (``model.generate_batch``) with ``paged|sdpa``,
+``paged|flash_attention_4`` (when it runs) and ``paged|pagedprefill``, in one process, on the same batch.
+
+The model is a randomly initialised Llama-3-8B-shaped ``LlamaForCausalLM`` in bfloat16, built from a
+``LlamaConfig`` (hidden 4096, 32 heads, 8 key/value heads, head_dim 128, intermediate 14336, vocabulary 128256)
+with fewer layers than the real 32 (``--layers``, 8 by default: the output says how many). No weights are
+downloaded. The batch is ``--prompts`` prompts of random token ids with lengths drawn uniformly in
+``[--min-len, --max-len]`` (32 of 2048-8192 by default), each generating ``--new-tokens`` tokens greedily
+(128 by default; end-of-sequence disabled, so every request generates them all), under
+``ContinuousBatchingConfig(block_size=256, max_batch_tokens=8192)`` with a cache that holds every request at
+once (``--num-blocks``), so that each implementation schedules the same batches.
+
+Each implementation first runs a short warm-up ``generate_batch`` (compilation, kernel caches), then the timed
+one. Times come from transformers' own per-request records (``record_timestamps=True``): a request's creation
+time and the time each of its tokens was generated, so the manager's start-up (and its CUDA-graph capture) is
+not counted. Reported:
+
+* prefill tokens/s: all prompt tokens over the time from the first request's creation to the moment every
+  request has its first token (decode steps of early requests run inside that interval too);
+* decode tokens/s: tokens generated after that moment, over the time until the last token;
+* time to first token: per request, its first token's time minus its creation time (median, p90, max);
+* whether the greedy tokens agree with ``paged|sdpa`` (requests with identical tokens; with random bf16
+  weights the logits are nearly flat, so a near-tie may legitimately flip a token and the rest of a request).
+
+Usage: python ci/gpu/transformers_e2e.py [--layers N] [--prompts N] [--min-len N] [--max-len N]
+       [--new-tokens N] [--impl NAME ...] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+IMPLEMENTATIONS = ("paged|sdpa", "paged|flash_attention_4", "paged|pagedprefill")
+#: Llama-3-8B's sizes; only the number of layers is an option.
+LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+             "head_dim": 128, "vocab_size": 128256, "rope_theta": 500000.0, "rms_norm_eps": 1e-5}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers (Llama-3-8B has 32; default 8)")
+    parser.add_argument("--prompts", type=int, default=32, help="number of prompts (default 32)")
+    parser.add_argument("--min-len", type=int, default=2048, help="shortest prompt, tokens (default 2048)")
+    parser.add_argument("--max-len", type=int, default=8192, help="longest prompt, tokens (default 8192)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
+    parser.add_argument("--block-size", type=int, default=256, help="cache block size (default 256)")
+    parser.add_argument("--max-batch-tokens", type=int, default=8192, help="token budget of a step (default 8192)")
+    parser.add_argument("--num-blocks", type=int, default=None,
+                        help="cache blocks (default: enough for every request at once, plus 16)")
+    parser.add_argument("--impl", nargs="+", default=list(IMPLEMENTATIONS), metavar="NAME",
+                        help=f"attention implementations, in order (default: {' '.join(IMPLEMENTATIONS)})")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts (default 0)")
+    parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
+    args = parser.parse_args(argv)
+    if not 1 <= args.min_len <= args.max_len:
+        parser.error("--min-len and --max-len: expected 1 <= min <= max")
+    return args
+
+
+def build_model(args):
+    """The Llama-3-8B-shaped model with ``args.layers`` layers, random weights, bfloat16, on the GPU."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(**LLAMA3_8B, num_hidden_layers=args.layers,
+                                      max_position_embeddings=max(8192, args.max_len + args.new_tokens))
+    torch.manual_seed(args.seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = transformers.LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval()
+
+
+def make_prompts(count, min_len, max_len, seed) -> list[list[int]]:
+    """``count`` prompts of random token ids, their lengths uniform in ``[min_len, max_len]``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (count,), generator=g).tolist()
+    return [torch.randint(1000, LLAMA3_8B["vocab_size"], (n,), generator=g).tolist() for n in lengths]
+
+
+def blocks_for(prompts, new_tokens, block_size) -> int:
+    """Blocks for every request at once (with its new tokens), plus a margin."""
+    return sum(math.ceil((len(p) + new_tokens) / block_size) for p in prompts) + 16
+
+
+def generate(model, impl, prompts, new_tokens, cb_kwargs):
+    """One ``generate_batch`` with ``impl``: the results in input order (GenerationOutput objects)."""
+    import transformers
+
+    model.set_attn_implementation(impl)
+    generation = transformers.GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1,
+                                               pad_token_id=0)
+    config = transformers.ContinuousBatchingConfig(**cb_kwargs)
+    out = model.generate_batch(prompts, generation_config=generation, continuous_batching_config=config,
+                               record_timestamps=True)
+    return list(out.values())
+
+
+def measure(results, prompts) -> dict:
+    """Throughputs and times to first token from transformers' per-request timestamps."""
+    start = min(r.created_time for r in results)
+    firsts = [r.timestamps[0] for r in results]
+    prefill_end = max(firsts)
+    end = max(r.timestamps[-1] for r in results)
+    prompt_tokens = sum(len(p) for p in prompts)
+    decode_tokens = sum(1 for r in results for t in r.timestamps if t > prefill_end)
+    ttft = sorted(f - r.created_time for f, r in zip(firsts, results))
+    return {
+        "prompt_tokens": prompt_tokens,
+        "generated_tokens": sum(len(r.generated_tokens) for r in results),
+        "prefill_s": prefill_end - start,
+        "prefill_tokens_per_s": prompt_tokens / (prefill_end - start),
+        "decode_s": end - prefill_end,
+        "decode_tokens": decode_tokens,
+        "decode_tokens_per_s": decode_tokens / (end - prefill_end) if end > prefill_end else None,
+        "ttft_median_s": statistics.median(ttft),
+        "ttft_p90_s": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))],
+        "ttft_max_s": ttft[-1],
+        "wall_s": end - start,
+    }
+
+
+def agreement(tokens, reference) -> dict:
+    """How far greedy tokens agree with the reference implementation's, request by request."""
+    same = sum(a == b for a, b in zip(tokens, reference))
+    prefixes = []
+    for a, b in zip(tokens, reference):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefixes.append(n)
+    return {"identical_requests": same, "requests": len(reference),
+            "mean_common_prefix": statistics.mean(prefixes) if prefixes else 0.0}
+
+
+def run_one(model, impl, prompts, warmup_prompts, args, cb_kwargs) -> dict:
+    """Warm up, then time ``impl``; a row that says why when it does not run."""
+    import torch
+
+    row = {"impl": impl}
+    try:
+        warm = generate(model, impl, warmup_prompts, 4, cb_kwargs)
+        errors = [r.error for r in warm if r.error]
+        if errors or len(warm) != len(warmup_prompts):
+            return {**row, "status": "not run", "reason": f"warm-up failed: {errors[0] if errors else 'no results'}"}
+        results = generate(model, impl, prompts, args.new_tokens, cb_kwargs)
+    except Exception as err:  # an implementation that cannot run here is a row saying why, not a crash
+        return {**row, "status": "not run", "reason": f"{type(err).__name__}: {err}".strip()}
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
+    errors = [r.error for r in results if r.error]
+    if errors or len(results) != len(prompts) or any(not r.timestamps for r in results):
+        return {**row, "status": "failed", "reason": errors[0] if errors else "missing results"}
+    return {**row, "status": "ok", **measure(results, prompts), "tokens": [r.generated_tokens for r in results]}
+
+
+def environment() -> dict:
+    """Date, commit, GPU, versions and the backend pagedprefill selects for the GPU."""
+    import pagedprefill
+    import torch
+    import transformers
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    try:
+        backend = pagedprefill.select_backend(torch.device("cuda")).name
+    except Exception as err:  # reported, not fatal: paged|pagedprefill's row then says why it did not run
+        backend = f"none ({err})"
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "pagedprefill_backend": backend}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("transformers_e2e: no CUDA device; this script measures the GPU", file=sys.stderr)
+        return 1
+    from pagedprefill.integrations.transformers import register
+
+    register()
+    env = environment()
+    prompts = make_prompts(args.prompts, args.min_len, args.max_len, args.seed)
+    warmup_prompts = make_prompts(4, min(512, args.min_len), min(1024, args.max_len), args.seed + 1)
+    num_blocks = args.num_blocks or blocks_for(prompts, args.new_tokens, args.block_size)
+    cb_kwargs = {"block_size": args.block_size, "max_batch_tokens": args.max_batch_tokens, "num_blocks": num_blocks}
+    print(f"model: Llama-3-8B shapes, {args.layers} of 32 layers (random weights, bfloat16); "
+          f"{len(prompts)} prompts of {args.min_len}-{args.max_len} tokens ({sum(map(len, prompts))} in all), "
+          f"{args.new_tokens} new tokens each; ContinuousBatchingConfig(block_size={args.block_size}, "
+          f"max_batch_tokens={args.max_batch_tokens}, num_blocks={num_blocks})")
+    print(f"{env['gpu']}, torch {env['torch']}, transformers {env['transformers']}, "
+          f"pagedprefill backend: {env['pagedprefill_backend']}, commit {env['commit']}")
+    model = build_model(args)
+
+    rows = []
+    for impl in args.impl:
+        row = run_one(model, impl, prompts, warmup_prompts, args, cb_kwargs)
+        rows.append(row)
+        print(format_row(row), flush=True)
+    reference = next((r for r in rows if r["impl"] == "paged|sdpa" and r["status"] == "ok"), None)
+    for row in rows:
+        if row["status"] == "ok" and reference is not None and row is not reference:
+            row["agreement_with_paged_sdpa"] = agreement(row["tokens"], reference["tokens"])
+            a = row["agreement_with_paged_sdpa"]
+            print(f"{row['impl']}: greedy tokens identical to paged|sdpa for {a['identical_requests']} of "
+                  f"{a['requests']} requests (mean common prefix {a['mean_common_prefix']:.1f} tokens)")
+    if args.json:
+        payload = {"environment": env, "layers": args.layers, "prompts": len(prompts),
+                   "prompt_lengths": [len(p) for p in prompts], "new_tokens": args.new_tokens,
+                   "continuous_batching": cb_kwargs, "rows": rows}
+        args.json.write_text(json.dumps(payload, indent=1))
+        print(f"wrote {args.json}")
+    return 0 if any(r["status"] == "ok" for r in rows) else 1
+
+
+def format_row(row: dict) -> str:
+    if row["status"] != "ok":
+        return f"{row['impl']:<24} {row['status']}: {row['reason']}"
+    decode = row["decode_tokens_per_s"]
+    return (f"{row['impl']:<24} prefill {row['prefill_tokens_per_s']:10.0f} tok/s   decode "
+            f"{decode if decode is not None else float('nan'):8.1f} tok/s   time to first token median "
+            f"{row['ttft_median_s']:.2f} s, p90 {row['ttft_p90_s']:.2f} s, max {row['ttft_max_s']:.2f} s   "
+            f"wall {row['wall_s']:.2f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
