@@ -1409,35 +1409,36 @@ def test_idle_half_is_on_where_its_branch_does_not_spill_and_reaches_the_launch(
 
 
 def test_lazy_rescale_compiles_for_sm90_without_spills():
-    """``LAZY_RESCALE`` (off by default) on the long prefill's NHD tile and the split layout's prefix-cached one:
-    no spills, no instruction on an in-flight MMA's registers, and code of its own (the vote and its branch)."""
+    """``LAZY_RESCALE`` (on by default, NHD only) on the long prefill's NHD tile: no spills, no instruction on
+    an in-flight MMA's registers, and code of its own (the vote and its branch); the split layout resolves it
+    off whatever is asked."""
     from pagedprefill_sm80.hopper.schedule import DEFAULTS
 
-    assert not DEFAULTS["LAZY_RESCALE"]
+    assert DEFAULTS["LAZY_RESCALE"]
+    split = problem_shape(make_problem(SPEC.replace(layout="split")))
+    assert not resolve(split, hopper_config(split), dict(LAZY_RESCALE=True))["LAZY_RESCALE"]
     summaries = child_result("compile_lazy_rescale")
     for name, summary in summaries.items():
         assert summary["spill_bytes"] in (0, None) and summary["wgmma_hazards"] in (0, None), (name, summary)
-    for layout in ("nhd", "split"):
-        plain, lazy = summaries[f"{layout}/plain"], summaries[f"{layout}/lazy"]
-        if plain["barriers"] is not None:
-            assert lazy["barriers"] > plain["barriers"], (layout, plain, lazy)
+    plain, lazy = summaries["nhd/plain"], summaries["nhd/lazy"]
+    if plain["barriers"] is not None:
+        assert lazy["barriers"] > plain["barriers"], (plain, lazy)
 
 
 def compile_lazy_rescale() -> dict:
-    """Codegen summaries, with the SASS's barrier count, of two calls without and with ``LAZY_RESCALE``."""
+    """Codegen summaries of the long prefill's NHD tile with and without ``LAZY_RESCALE``, with SASS barriers."""
     import re
 
     from pagedprefill.triton.codegen import compile_call, sass, summarize
     from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
 
     out = {}
-    for layout in ("nhd", "split"):
-        problem = make_problem(SPEC.replace(layout=layout))
-        s = problem_shape(problem)
-        for name, lazy in (("plain", False), ("lazy", True)):
-            compiled = compile_call(hopper_prefill_kernel,
-                                    kernel_call(problem, hopper_config(s), s, dict(LAZY_RESCALE=lazy)), 90)
-            code = sass(compiled)
-            out[f"{layout}/{name}"] = {**summarize(compiled, 90).to_dict(),
-                                       "barriers": None if code is None else len(re.findall(r"\bBAR\.", code))}
+    problem = make_problem(SPEC.replace(layout="nhd"))
+    s = problem_shape(problem)
+    for name, lazy in (("plain", False), ("lazy", True)):
+        compiled = compile_call(hopper_prefill_kernel,
+                                kernel_call(problem, hopper_config(s), s, dict(LAZY_RESCALE=lazy)), 90)
+        code = sass(compiled)
+        out[f"nhd/{name}"] = {**summarize(compiled, 90).to_dict(),
+                              "barriers": None if code is None else len(re.findall(r"\bBAR\.", code))}
     return out
