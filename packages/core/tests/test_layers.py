@@ -23,7 +23,7 @@ ROOT = Path(pagedprefill.__file__).parent
 #: The layers, lowest first; a module belongs to the layer naming it or its closest enclosing package
 #: (``""`` is the package's ``__init__``, the facade).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("values", ("errors", "options", "lengths", "placement", "types", "environment", "variables")),
+    ("values", ("errors", "options", "lengths", "placement", "types", "environment", "variables", "timing")),
     ("inputs and hardware", ("device", "accelerator", "validation", "cache", "reference_impl", "workloads")),
     ("policy", ("tiling", "tuning", "features", "plans")),
     ("registry", ("registry",)),
@@ -50,9 +50,10 @@ def module_names(root: Path = ROOT) -> list[str]:
 
 
 def layer_of(module: str, layers=LAYERS) -> int:
-    """The index of ``module``'s layer (KeyError when no layer names it or a package holding it)."""
+    """The index of ``module``'s layer (KeyError when no layer names it or a package holding it). ``""``, the
+    package's ``__init__``, names itself only: a module that no layer lists does not fall into the facade's."""
     parts = module.split(".") if module else []
-    for end in range(len(parts), -1, -1):
+    for end in range(len(parts), 0 if parts else -1, -1):
         prefix = ".".join(parts[:end])
         for index, (_, members) in enumerate(layers):
             if prefix in members:
@@ -262,3 +263,12 @@ def test_each_module_imports_alone_in_a_fresh_interpreter():
     result = subprocess.run([sys.executable, "-c", _IMPORT_EACH, *names], capture_output=True, text=True,
                             env=env, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_module_no_layer_lists_is_a_violation():
+    graph = {"": [], "api": [], "unlisted": [("api", False)]}
+    layers = (("low", ("api",)), ("facade", ("",)))
+    assert violations(graph, layers, {}) == ["'unlisted' is in no layer"]
+    with pytest.raises(KeyError):
+        layer_of("unlisted", layers)
+    assert layer_of("", layers) == 1 and layer_of("api", layers) == 0
