@@ -330,3 +330,11 @@ def test_info_shows_the_tile_and_head_packing_of_each_models_row():
     assert len(three) == 3 and all(" engine " in line for line in three), three
     assert "[1 head x 128 tokens, 3 tiles per group]" in three[0]  # prefix-cached: a group of 3, one head per tile
     assert "[3 heads x 42 tokens]" in three[2]  # decode: the whole group in one tile
+
+
+@pytest.mark.parametrize("command", ["bench", "tune"])
+def test_timing_commands_without_a_gpu_answer_in_the_common_form(command):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the commands run instead of refusing")
+    line = assert_user_error(run_cli(command), command, "needs a GPU", "none is visible", "pagedprefill info")
+    assert command != "bench" or "'pagedprefill bench --suite default --list'" in line

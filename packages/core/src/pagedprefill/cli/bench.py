@@ -38,6 +38,7 @@ import torch
 
 from .. import accelerator
 from ..cache import gather_kv
+from ..errors import DeviceUnavailableError
 from ..features import check_runnable
 from ..timing import alternating_rounds
 from ..types import PrefillProblem
@@ -682,9 +683,10 @@ def cmd_bench(args) -> int:
         return 0
     accel = current_accelerator_type()
     if accel is None:
-        print("pagedprefill bench: needs an accelerator (timings use its device events); none is visible",
-              file=sys.stderr)
-        return 2
+        raise DeviceUnavailableError(
+            f"needs a GPU (or another accelerator torch {torch.__version__} can use): its timings are the device's "
+            f"events, and none is visible; 'pagedprefill bench --suite {args.suite} --list' shows the workloads "
+            f"without one, and 'pagedprefill info' what this machine has")
     device = torch.device(args.device or accel)
     info = DeviceInfo.detect(device)
     backends = args.backend or [select_backend(info).name]

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import DeviceUnavailableError
 from ..testing.cases import DEFAULT_TOLERANCES, assert_matches_reference
 from ..timing import alternating_rounds
 from ..workloads import BatchSpec, fresh_output, make_problem
@@ -115,8 +116,9 @@ def cmd_tune(args) -> int:
 
     accel = current_accelerator_type()
     if accel is None:
-        print("pagedprefill tune: needs an accelerator; none is visible", file=sys.stderr)
-        return 2
+        raise DeviceUnavailableError(
+            f"needs a GPU (or another accelerator torch {torch.__version__} can use) to time the tiles on, and none "
+            f"is visible; 'pagedprefill info' shows what this machine has")
     device = torch.device(args.device or accel)
     info = DeviceInfo.detect(device)
     t0 = time.time()
