@@ -276,6 +276,10 @@ CASES = [
          f"got shape [{NB}, {HKV}, {D // 8}, {BS}, 8]"), apis=("native",)),
     Bad("nhd_k_cache_heads", NHD, put("k_cache", lambda a: a["k_cache"][:, :, :1]), ValueError, "k_cache",
         (f"expected shape [num_blocks, block_size, {HKV}, {D}]", f"got [{NB}, {BS}, 1, {D}]")),
+    Bad("new_tokens_heads_differ_from_cache", NHD, puts(k=lambda a: randn(T, 1, D), v=lambda a: randn(T, 1, D)),
+        ValueError, "k_cache", (f"expected shape [num_blocks, block_size, 1, {D}] (the 1 KV heads of k and v, "
+                                f"shape [{T}, 1, {D}]: if the cache's {HKV} are right, k and v are the tensors to fix)",
+                                f"got [{NB}, {BS}, {HKV}, {D}]")),
     Bad("nhd_k_cache_head_size", NHD, put("k_cache", lambda a: a["k_cache"][..., :16]), ValueError, "k_cache",
         (f"expected shape [num_blocks, block_size, {HKV}, {D}]", f"got [{NB}, {BS}, {HKV}, 16]")),
     Bad("nhd_v_cache_shape", NHD, put("v_cache", lambda a: a["v_cache"][:, :4]), ValueError, "v_cache",

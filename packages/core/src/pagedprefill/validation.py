@@ -218,6 +218,15 @@ def _validate_tensors(p: PrefillProblem, out_name: str) -> None:
             )
 
 
+def _heads_from_k(p: PrefillProblem, cache_heads: int) -> str:
+    """Where the expected KV heads come from, when the cache's differ from those of the new tokens' ``k``/``v``:
+    either side may be the one the caller got wrong, so the message names both."""
+    if p.k is None or cache_heads == p.num_kv_heads:
+        return ""
+    return (f" (the {p.num_kv_heads} KV heads of k and v, shape {_shape(p.k)}: if the cache's {cache_heads} are "
+            f"right, k and v are the tensors to fix)")
+
+
 def _validate_cache(p: PrefillProblem) -> None:
     c = p.cache
     if not isinstance(c, PagedKVCache):
@@ -259,7 +268,8 @@ def _validate_cache(p: PrefillProblem) -> None:
             )
         if hk != Hkv or dx * x != D:
             raise ValueError(
-                f"k_cache: expected shape [num_blocks, {Hkv}, {D // x}, block_size, {x}], got {_shape(kc)}"
+                f"k_cache: expected shape [num_blocks, {Hkv}, {D // x}, block_size, {x}]{_heads_from_k(p, hk)}, "
+                f"got {_shape(kc)}"
             )
         if tuple(vc.shape) != (nb, Hkv, D, bs):
             raise ValueError(f"v_cache: expected shape [{nb}, {Hkv}, {D}, {bs}], got {_shape(vc)}")
@@ -267,7 +277,8 @@ def _validate_cache(p: PrefillProblem) -> None:
         _expect_ndim("k_cache", kc, 4, "[num_blocks, block_size, num_kv_heads, head_size] (NHD layout)")
         nb, bs, hk, d = kc.shape
         if hk != Hkv or d != D:
-            raise ValueError(f"k_cache: expected shape [num_blocks, block_size, {Hkv}, {D}], got {_shape(kc)}")
+            raise ValueError(f"k_cache: expected shape [num_blocks, block_size, {Hkv}, {D}]{_heads_from_k(p, hk)}, "
+                             f"got {_shape(kc)}")
         if tuple(vc.shape) != tuple(kc.shape):
             raise ValueError(f"v_cache: expected shape {_shape(kc)} (the shape of k_cache), got {_shape(vc)}")
     if c.block_size < 1:
