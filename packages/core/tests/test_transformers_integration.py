@@ -148,6 +148,13 @@ def test_an_older_transformers_is_refused(monkeypatch):
         integration.register()
 
 
+def test_a_later_transformers_is_refused_saying_why(monkeypatch):
+    """5.18 reorganised the paged cache; from 5.20 continuous batching refuses a registered implementation."""
+    monkeypatch.setitem(sys.modules, "transformers", types.SimpleNamespace(__version__="5.25.0"))
+    with pytest.raises(ImportError, match=r"found transformers 5\.25\.0; later releases .* their own attention"):
+        integration.register()
+
+
 # ----------------------------------------------------------------------------------------------------------- #
 # Generation: the same tokens as transformers' own paged attention
 

@@ -70,8 +70,11 @@ __all__ = ["ATTN_IMPLEMENTATION", "INSTALL_HINT", "paged_attention_forward", "re
 ATTN_IMPLEMENTATION = "paged|pagedprefill"
 #: What to install for this module.
 INSTALL_HINT = 'pip install "pagedprefill[transformers]"'
-#: The oldest transformers whose continuous-batching cache this module reads (5.17).
+#: The transformers releases whose continuous batching this module plugs into: 5.17. 5.18 reorganised the paged
+#: cache's layer groups, and from 5.20 on continuous batching runs only transformers' own implementations
+#: (``paged|eager``, ``sdpa`` and the flash ones) and refuses a registered one.
 MIN_TRANSFORMERS = (5, 17)
+MAX_TRANSFORMERS = (5, 17)
 
 #: The backend every call names (None: the registry's choice for the tensors' device); set by :func:`register`.
 _settings: dict = {"backend": None}
@@ -90,15 +93,20 @@ def _transformers():
             f"pagedprefill.integrations.transformers needs Hugging Face transformers "
             f">= {'.'.join(map(str, MIN_TRANSFORMERS))}, which is not installed: {INSTALL_HINT}") from err
     found = getattr(transformers, "__version__", "0")
-    if _version(found) < MIN_TRANSFORMERS:
+    if not MIN_TRANSFORMERS <= _version(found) <= MAX_TRANSFORMERS:
+        later = _version(found) > MAX_TRANSFORMERS
         raise ImportError(
-            f"pagedprefill.integrations.transformers reads the paged cache of transformers "
-            f">= {'.'.join(map(str, MIN_TRANSFORMERS))}, found transformers {found}: {INSTALL_HINT}")
+            f"pagedprefill.integrations.transformers plugs into the continuous batching of transformers "
+            f"{'.'.join(map(str, MIN_TRANSFORMERS))}, found transformers {found}"
+            + ("; later releases reorganised its paged cache (5.18) and run only their own attention "
+               "implementations in continuous batching (5.20 and later)" if later else "")
+            + f": {INSTALL_HINT}")
     return transformers
 
 
 def register(backend: BackendChoice = None) -> str:
-    """Add ``"paged|pagedprefill"`` to ``transformers.AttentionInterface`` and return that name.
+    """Add ``"paged|pagedprefill"`` to ``transformers.AttentionInterface`` and return that name (also as
+    ``"pagedprefill"``, the name releases after 5.22 look the implementation up by).
 
     Then ``model.set_attn_implementation("paged|pagedprefill")`` (or ``attn_implementation=`` when loading)
     makes ``generate_batch`` and the continuous-batching manager run their attention through pagedprefill.
@@ -112,7 +120,10 @@ def register(backend: BackendChoice = None) -> str:
     """
     transformers = _transformers()
     _settings["backend"] = backend
-    transformers.AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    # Later releases name paged implementations without the prefix (they strip "paged|" from a requested name):
+    # both names lead here, whichever a release looks up.
+    for name in (ATTN_IMPLEMENTATION, ATTN_IMPLEMENTATION.removeprefix("paged|")):
+        transformers.AttentionInterface.register(name, paged_attention_forward)
     return ATTN_IMPLEMENTATION
 
 
