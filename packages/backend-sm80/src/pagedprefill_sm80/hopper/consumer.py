@@ -20,7 +20,7 @@ from pagedprefill.triton.blocks import (
 )
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 from .epilogue import store_partials, store_rows
 
@@ -33,8 +33,7 @@ RESCALE_GROWTH = gl.constexpr(8.0)
 def wait_tile(cfg, ring, it, from_cache):
     """Wait until key tile ``it`` has landed in its buffer. Cached tiles the producer wrote with its own
     instructions (``WRITTEN``) are ordinary shared-memory writes: fenced before the MMA's reads."""
-    STAGES: gl.constexpr = cfg.TILE.STAGES
-    mbarrier.wait(ring.ready.index(it % STAGES), (it // STAGES) & 1)
+    ring.wait_ready(it)
     if cfg.WRITTEN:
         if from_cache:
             fence_async_shared()
@@ -46,10 +45,9 @@ def hand_back(cfg, ring, tiles):
     query does, so that the other consumer and the producer keep their pace. It waits for each tile (not only
     arrives) because the ring's release counts arrivals: an arrival ahead of the other consumer's would free a
     buffer it still reads."""
-    STAGES: gl.constexpr = cfg.TILE.STAGES
     for it in range(tiles):
-        mbarrier.wait(ring.ready.index(it % STAGES), (it // STAGES) & 1)
-        mbarrier.arrive(ring.empty.index(it % STAGES), count=1)
+        ring.wait_ready(it)
+        ring.release(it)
 
 
 @gluon.jit
@@ -108,7 +106,6 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
     BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
     HEAD_SIZE: gl.constexpr = cfg.LAYOUT.HEAD_SIZE
     NUM_WARPS: gl.constexpr = cfg.CONSUMER_WARPS
-    STAGES: gl.constexpr = cfg.TILE.STAGES
     FP8_CACHE: gl.constexpr = cfg.LAYOUT.FP8_CACHE
     # Cached values in the V^T ring: the split layout's, unless an FP8 cache's are widened into the V ring.
     CACHED_VT: gl.constexpr = cfg.LAYOUT.SPLIT and not cfg.SCHEDULE.WIDEN_TO_V
@@ -155,7 +152,7 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
         hand_back(cfg, ring, cache_tiles + walk.new_tiles)
     else:
         for it in range(cache_tiles + walk.new_tiles):
-            s = it % STAGES
+            s = ring.stage(it)
             from_cache = it < cache_tiles
             wait_tile(cfg, ring, it, from_cache)
             if FP8_CACHE:
@@ -182,7 +179,7 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
                 acc = warpgroup_mma(p_op, ring.v.index(s), acc)
             # Every warp of this consumer is done with the buffer (its MMAs are synchronous): one arrival for all.
             gl.thread_barrier()
-            mbarrier.arrive(ring.empty.index(s), count=1)
+            ring.release(it)
         if FP8_CACHE:
             if walk.new_tiles == 0:  # no new tile followed the cached ones
                 acc = acc * v_scale

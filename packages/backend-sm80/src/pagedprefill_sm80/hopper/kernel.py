@@ -116,7 +116,7 @@ def allocate_ring(cfg, v_cache_t, k_cache, dtype: gl.constexpr):
         for i in gl.static_range(STAGES):
             mbarrier.init(ready8.index(i), count=1)
     fence_async_shared()
-    return Ring(k_smem, v_smem, vt_smem, k8_smem, v8_smem, ready, empty, ready8)
+    return Ring(k_smem, v_smem, vt_smem, k8_smem, v8_smem, ready, empty, ready8, STAGES)
 
 
 @gluon.jit

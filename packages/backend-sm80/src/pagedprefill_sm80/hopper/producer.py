@@ -177,24 +177,24 @@ def producer(cfg, sources, ring, table, rows, walk):
     if EARLY_KEYS:
         # The cached tiles first, each one's keys loaded before its buffer is free; then the new tokens' tiles.
         for it in range(cache_tiles):
-            s = it % STAGES
+            s = ring.stage(it)
             n0 = cache_start + it * BLOCK_N
             loaded = split_tile_keys(split_keys, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, cfg.LAYOUT.X,
                                      cfg.SCHEDULE.PRODUCER_WARPS, HEAD_DIM, KEY_LOADS)
-            mbarrier.wait(ring.empty.index(s), ((it // STAGES) & 1) ^ 1)
+            ring.wait_empty(it)
             split_cached_tile(cfg, sources, table, kv_head, col, n0, ring.ready.index(s), ring.k.index(s),
                               ring.vt.index(s), False, True, loaded)
         first_new = cache_tiles
     for it in range(first_new, cache_tiles + walk.new_tiles):
-        s = it % STAGES
-        mbarrier.wait(ring.empty.index(s), ((it // STAGES) & 1) ^ 1)
+        s = ring.stage(it)
+        ring.wait_empty(it)
         k_dst = ring.k.index(s)
         if it < cache_tiles:
             if FP8_CACHE:
                 if cfg.SCHEDULE.FP8_SCORES and not cfg.LAYOUT.SPLIT:
                     keys_to_ring(cfg, sources, table, kv_head, col, cache_start + it * BLOCK_N, ring.ready.index(s),
                                  k_dst)
-                mbarrier.wait(ring.ready8.index(s), (it // STAGES) & 1)
+                ring.wait_landed(it)
                 widen_tile(cfg, ring, s)
                 # The stores are ordered before the consumers' MMA reads, and every warp is done with the FP8
                 # slot before the next tile's copies overwrite it.

@@ -4,6 +4,7 @@ argument list is written once; constexpr fields stay constexpr inside every part
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.language.core import _aggregate as aggregate
 
 #: A run-time value, or one Triton specialised to a constant (an integer argument equal to 1, a bound that
@@ -112,7 +113,12 @@ class Ring:
     read, ``vt`` the split layout's cached values as V^T pages (``v`` itself in NHD), ``k8``/``v8`` an FP8 cache's
     tiles as they land (``k``/``v`` themselves for a 16-bit cache). ``ready`` completes when a buffer's tile is
     there, ``empty`` when every consumer is done with it; ``ready8`` (FP8 caches, seen by the producer only) when
-    its FP8 bytes have landed."""
+    its FP8 bytes have landed.
+
+    Key tile ``it`` of a walk goes through buffer ``stage(it)``, on that buffer's ``it // STAGES``-th round; a
+    barrier completes once per round, so a wait for tile ``it`` waits for the parity ``phase(it)``. The methods
+    carry that rule: the consumers ``wait_ready`` and ``release``, the producer ``wait_empty`` (and
+    ``wait_landed`` for an FP8 tile) before it refills a buffer."""
 
     k: gl.shared_memory_descriptor
     v: gl.shared_memory_descriptor
@@ -122,9 +128,10 @@ class Ring:
     ready: gl.shared_memory_descriptor
     empty: gl.shared_memory_descriptor
     ready8: gl.shared_memory_descriptor
+    STAGES: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, k, v, vt, k8, v8, ready, empty, ready8):
+    def __init__(self, k, v, vt, k8, v8, ready, empty, ready8, STAGES):
         self.k = k
         self.v = v
         self.vt = vt
@@ -133,3 +140,35 @@ class Ring:
         self.ready = ready
         self.empty = empty
         self.ready8 = ready8
+        self.STAGES = gl.constexpr(STAGES)
+
+    @gluon.jit
+    def stage(self, it):
+        """The buffer key tile ``it`` goes through."""
+        return it % self.STAGES
+
+    @gluon.jit
+    def phase(self, it):
+        """The parity the barriers of tile ``it``'s buffer complete with on its round."""
+        return (it // self.STAGES) & 1
+
+    @gluon.jit
+    def wait_ready(self, it):
+        """Wait until key tile ``it`` has landed in its buffer."""
+        mbarrier.wait(self.ready.index(self.stage(it)), self.phase(it))
+
+    @gluon.jit
+    def release(self, it):
+        """One consumer is done with tile ``it``'s buffer (every consumer's arrival frees it)."""
+        mbarrier.arrive(self.empty.index(self.stage(it)), count=1)
+
+    @gluon.jit
+    def wait_empty(self, it):
+        """The producer: wait until every consumer released the buffer tile ``it`` is to fill, on its previous
+        round (the first round passes at once: the parity before any completion)."""
+        mbarrier.wait(self.empty.index(self.stage(it)), self.phase(it) ^ 1)
+
+    @gluon.jit
+    def wait_landed(self, it):
+        """The producer, with an FP8 cache: wait until tile ``it``'s FP8 bytes have landed in the FP8 ring."""
+        mbarrier.wait(self.ready8.index(self.stage(it)), self.phase(it))
