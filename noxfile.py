@@ -109,6 +109,13 @@ def pytest_args(session: nox.Session) -> list[str]:
     return ["-q", "-rs", "-p", "no:cacheprovider", *session.posargs]
 
 
+def parallel_args() -> list[str]:
+    """pytest-xdist over the machine's cores (the test extra brings it): one worker per core, idle workers taking
+    queued tests from busy ones (the conformance suites' random sweeps run minutes each)."""
+    cores = os.cpu_count() or 1
+    return ["-n", str(cores), "--dist", "worksteal"] if cores > 1 else []
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """Every package's tests on the CPU; Triton kernels under TRITON_INTERPRET=1."""
@@ -117,10 +124,10 @@ def tests(session: nox.Session) -> None:
         # for a user without this machine's local wheels. Skips with the reason when the index is unreachable.
         session.run("python", "ci/check_pins.py", f"{CORE}[triton,test,transformers]", *BACKENDS.values())
     install(session, CORE, *BACKENDS.values(), extras="triton,test,transformers", cpu_torch=True)
-    session.run("pytest", *pytest_args(session), f"{CORE}/tests")
+    session.run("pytest", *pytest_args(session), *parallel_args(), f"{CORE}/tests")
     for path in BACKENDS.values():
         if (ROOT / path / "tests").exists():
-            session.run("pytest", *pytest_args(session), f"{path}/tests", "--pagedprefill-device=cpu",
+            session.run("pytest", *pytest_args(session), *parallel_args(), f"{path}/tests", "--pagedprefill-device=cpu",
                         env={"TRITON_INTERPRET": "1"})
 
 
