@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,13 +31,15 @@ pytestmark = [
 
 
 def renamed_copy(destination: Path) -> Path:
-    """The template copied to ``destination`` with every ``mybackend`` renamed to :data:`NAME` and the priority of a
-    finished backend, as the template's README and the guide's sections 11 and 13 ask."""
-    shutil.copytree(TEMPLATE, destination, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    (destination / "src" / "pagedprefill_mybackend").rename(destination / "src" / f"pagedprefill_{NAME}")
-    for path in destination.rglob("*"):
-        if path.is_file() and path.suffix in (".py", ".toml", ".md"):
-            path.write_text(path.read_text().replace("mybackend", NAME))
+    """The template made into a backend named :data:`NAME` by its own helper (``new_backend.py``, run as a user
+    runs it), with the priority of a finished backend, as the template's README and the guide's sections 11 and 13
+    ask."""
+    made = subprocess.run([sys.executable, str(TEMPLATE / "new_backend.py"), NAME, str(destination)],
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert made.returncode == 0, made.stderr
+    left = [str(p) for p in destination.rglob("*") if p.is_file() and p.suffix in (".py", ".toml", ".md")
+            and re.search("mybackend|MyBackend", p.read_text())]
+    assert not left and not (destination / "new_backend.py").exists(), left
     backend = destination / "src" / f"pagedprefill_{NAME}" / "backend.py"
     text, changed = re.subn(r"^    priority = 150$", "    priority = 200", backend.read_text(), flags=re.M)
     assert changed == 1, "the template's backend no longer sets `priority = 150` on a line of its own"
@@ -89,7 +90,8 @@ def test_its_own_tests_pass_in_the_interpreter(walked):
     """The renamed backend's tests as the guide's section 10 runs them (a few of the conformance cases: the
     whole suite takes many minutes in the interpreter)."""
     source, site = walked
-    picked = ("not TestMyBackendConformance or (test_case_matches_reference and (basic or gqa_4 or "
+    suite = f"Test{NAME.capitalize()}BackendConformance"  # the template's TestMyBackendConformance, renamed
+    picked = (f"not {suite} or (test_case_matches_reference and (basic or gqa_4 or "
               "split_layout_head_24 or skip_decode_two_tokens)) or (test_random_sweep and 0)")
     proc = run([sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                 "--pagedprefill-device=cpu", "-k", picked], site, source, TRITON_INTERPRET="1")
