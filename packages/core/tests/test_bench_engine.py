@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 import types
@@ -16,6 +15,7 @@ import pytest
 import torch
 from pagedprefill import workloads
 from pagedprefill.cli import bench, fa4, main
+from pagedprefill.testing.interpreted import run_interpreted
 from pagedprefill.workloads import BatchSpec, Workload, flops, kv_bytes, make_problem
 
 CPU = torch.device("cpu")
@@ -308,11 +308,7 @@ for r in rows:
 
 
 def test_the_generic_backend_runs_both_calls_in_the_interpreter():
-    pytest.importorskip("pagedprefill_generic", reason="pagedprefill-generic is not installed")
-    pytest.importorskip("triton", reason="Triton is not installed")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", GENERIC_SCRIPT], capture_output=True, text=True, env=env,
-                          timeout=600)
+    proc = run_interpreted(GENERIC_SCRIPT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line.split() for line in proc.stdout.splitlines()]
     assert [r[:3] for r in rows] == [["engine", "portable", "True"], ["nhd", "portable", "True"],

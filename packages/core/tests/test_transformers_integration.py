@@ -30,7 +30,6 @@ cannot compute is refused naming the model's setting.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -40,6 +39,7 @@ import pytest
 import torch
 from pagedprefill import UnsupportedFeatureError
 from pagedprefill.integrations import transformers as integration
+from pagedprefill.testing.interpreted import run_interpreted
 
 REASON = "transformers is not installed (pip install \"pagedprefill[transformers]\")"
 INSTALL = 'pip install "pagedprefill[transformers]"'
@@ -417,11 +417,7 @@ for impl in ("paged|sdpa", "paged|pagedprefill"):
 
 
 def test_the_generic_backend_serves_a_one_layer_model_in_the_interpreter(tr):
-    pytest.importorskip("pagedprefill_generic", reason="pagedprefill-generic is not installed")
-    pytest.importorskip("triton", reason="Triton is not installed")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", GENERIC_SCRIPT], capture_output=True, text=True, env=env,
-                          timeout=600)
+    proc = run_interpreted(GENERIC_SCRIPT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line.split(" ", 2) for line in proc.stdout.splitlines() if line.startswith("paged|")]
     theirs = [r[2] for r in rows if r[0] == "paged|sdpa"]
