@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from .consumer import consumer
 from .producer import producer
-from .state import KernelConfig, KeyWalk, Ring, TileRows
+from .state import KernelConfig, KeyWalk, Ring, Sources, TileRows
 
 
 @gluon.constexpr_function
@@ -214,9 +214,9 @@ def hopper_prefill_kernel(
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_SIZE], q.dtype), q)
     ring = allocate_ring(cfg, v_cache_t, k_cache, dtype)
     table = (cache[2] + seq.to(gl.int64) * strides.table_seq, table_width, num_blocks)
-    sources = (k_cache, v_cache, k_new, v_new, v_cache_t,
-               (cache[0], strides.key_block, strides.key_head, strides.key_chunk),
-               (cache[1], strides.value_rows_per_block, strides.value_row))
+    sources = Sources(k_cache, v_cache, k_new, v_new, v_cache_t,
+                      (cache[0], strides.key_block, strides.key_head, strides.key_chunk),
+                      (cache[1], strides.value_rows_per_block, strides.value_row))
     # What every consumer reads, and what the producer does: each partition's arguments, written once.
     consumed = (ring, rows, walk, per_head, (window, softcap, qk_scale), (scales, scale_tensors),
                 (tokens[3], strides.out, partials))

@@ -42,7 +42,7 @@ def split_cached_tile(cfg, sources, table, kv_head, col, n0, barrier, k_dst, vt_
     WARPS: gl.constexpr = cfg.SCHEDULE.PRODUCER_WARPS
     KEY_LOADS: gl.constexpr = cfg.SCHEDULE.KEY_LOADS
     VALUES_FIRST: gl.constexpr = cfg.SCHEDULE.VALUES_FIRST
-    _, _, _, _, v_cache_t, split_keys, split_values = sources
+    v_cache_t, split_keys, split_values = sources.v_cache_t, sources.split_keys, sources.split_values
     v_rows_per_block = split_values[1]
     VALUE_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * v_cache_t.dtype.primitive_bitwidth // 8
     if VALUES_FIRST:
@@ -85,7 +85,8 @@ def fp8_cached_tile(cfg, sources, table, kv_head, col, n0, barrier, k_dst, v_dst
     HEAD_SIZE: gl.constexpr = cfg.LAYOUT.HEAD_SIZE
     PAGE: gl.constexpr = cfg.LAYOUT.PAGE
     BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
-    k_cache, v_cache, _, _, v_cache_t, split_keys, split_values = sources
+    k_cache, v_cache, v_cache_t = sources.k_cache, sources.v_cache, sources.v_cache_t
+    split_keys, split_values = sources.split_keys, sources.split_values
     HALF_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * v_cache_t.dtype.primitive_bitwidth // 8
     if cfg.LAYOUT.SPLIT and cfg.SCHEDULE.FP8_BOXES:
         split_boxed_tile(k_cache, split_keys, v_cache_t, table, kv_head, col, n0, split_values[1], barrier, k_dst,
@@ -106,7 +107,7 @@ def keys_to_ring(cfg, sources, table, kv_head, col, n0, barrier, k_dst):
     (the MMA reads them as they are), counted in bytes by ``barrier``."""
     HEAD_SIZE: gl.constexpr = cfg.LAYOUT.HEAD_SIZE
     BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
-    k_cache, v_cache, _, _, _, _, _ = sources
+    k_cache, v_cache = sources.k_cache, sources.v_cache
     KEY_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * k_dst.dtype.primitive_bitwidth // 8
     cached_boxes(k_cache, v_cache, table, kv_head, col, n0, barrier, k_dst, k_dst, KEY_BYTES, cfg.LAYOUT.PAGE,
                  BLOCK_N, HEAD_SIZE, cfg.PADDED, VALUES=False)
@@ -144,8 +145,8 @@ def widen_tile(cfg, ring, s):
 def producer(cfg, sources, ring, table, rows, walk):
     """Fill the ring with the key tiles of ``walk``, for the query tile at ``rows``.
 
-    ``sources`` are the TMA descriptors (cached K and V, new K and V, the split layout's V^T pages) and the split
-    layout's keys and values with their strides; ``table`` the sequence's block-table row with the table's width
+    ``sources`` (:class:`~.state.Sources`) are the TMA descriptors and the split layout's keys and values with
+    their strides; ``table`` the sequence's block-table row with the table's width
     and the cache's block count. A head narrower than the tile (NHD, ``PADDED``) comes through rank-3 descriptors
     (``[rows, heads, head size]``), whose boxes of ``HEAD_SIZE`` columns read the columns past the head as zeros.
     Under ``EARLY_KEYS`` a cached tile's keys are loaded into registers before the wait for its buffer, so that
@@ -162,7 +163,7 @@ def producer(cfg, sources, ring, table, rows, walk):
     gl.static_assert(not EARLY_KEYS or (cfg.LAYOUT.SPLIT and KEY_LOADS > 0 and not FP8_CACHE
                                         and BLOCK_N <= 2 * KEY_LOADS),
                      "EARLY_KEYS: the split layout's 16-bit key loads, a tile of one or two chunks")
-    _, _, k_new, v_new, v_cache_t, split_keys, _ = sources
+    k_new, v_new, v_cache_t, split_keys = sources.k_new, sources.v_new, sources.v_cache_t, sources.split_keys
     kv_head = rows.kv_head
     cache_start = walk.cache_start
     cache_tiles = walk.cache_tiles
@@ -208,10 +209,9 @@ def producer(cfg, sources, ring, table, rows, walk):
                 split_cached_tile(cfg, sources, table, kv_head, col, cache_start + it * BLOCK_N, ring.ready.index(s),
                                   k_dst, ring.vt.index(s), False, False, k_dst)
             else:
-                k_cache, v_cache, _, _, _, _, _ = sources
-                cached_boxes(k_cache, v_cache, table, kv_head, col, cache_start + it * BLOCK_N, ring.ready.index(s),
-                             ring.k8.index(s), ring.v8.index(s), 2 * CACHE_HALF_BYTES, PAGE, BLOCK_N, HEAD_SIZE,
-                             cfg.PADDED)
+                cached_boxes(sources.k_cache, sources.v_cache, table, kv_head, col, cache_start + it * BLOCK_N,
+                             ring.ready.index(s), ring.k8.index(s), ring.v8.index(s), 2 * CACHE_HALF_BYTES, PAGE,
+                             BLOCK_N, HEAD_SIZE, cfg.PADDED)
         else:
             row = rows.seq_row0 + walk.new_start + (it - cache_tiles) * BLOCK_N
             mbarrier.expect(ring.ready.index(s), 2 * HALF_BYTES)

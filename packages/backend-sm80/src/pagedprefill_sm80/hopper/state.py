@@ -4,12 +4,14 @@ argument list is written once; constexpr fields stay constexpr inside every part
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.language.core import _aggregate as aggregate
 
 #: A run-time value, or one Triton specialised to a constant (an integer argument equal to 1, a bound that
 #: is 0 when a feature is off).
 _Value = (gl.tensor, gl.constexpr)
+#: A TMA descriptor passed to the kernel.
+_Descriptor = tma.tensor_descriptor
 
 
 @gluon.constexpr_function
@@ -81,6 +83,34 @@ class TileRows:
         self.num_tokens = _value(num_tokens)
         self.ctx_len = _value(ctx_len)
         self.q_len = q_len
+
+
+@aggregate
+class Sources:
+    """Where the producer reads key tiles from: TMA descriptors over the cached keys and values (``k_cache``,
+    ``v_cache``: the NHD layout's, or under ``FP8_BOXES`` the split layout's FP8 keys by pages), the new tokens'
+    keys and values (``k_new``, ``v_new``) and the split layout's values as V^T pages (``v_cache_t``); and the split
+    layout's caches as pointers with their strides (``split_keys``: ``(key cache, block, head, chunk strides)``,
+    ``split_values``: ``(value cache, rows per block, row stride)``). A layout's unused descriptors are
+    placeholders."""
+
+    k_cache: _Descriptor
+    v_cache: _Descriptor
+    k_new: _Descriptor
+    v_new: _Descriptor
+    v_cache_t: _Descriptor
+    split_keys: gl.tuple
+    split_values: gl.tuple
+
+    @gluon.constexpr_function
+    def __init__(self, k_cache, v_cache, k_new, v_new, v_cache_t, split_keys, split_values):
+        self.k_cache = k_cache
+        self.v_cache = v_cache
+        self.k_new = k_new
+        self.v_new = v_new
+        self.v_cache_t = v_cache_t
+        self.split_keys = split_keys
+        self.split_values = split_values
 
 
 @aggregate
