@@ -215,18 +215,22 @@ def settle(config: TileConfig, shape: ProblemShape) -> TileConfig:
 PACKING_TOLERANCE = 0.97
 
 
+def _packed_tiles(shape: ProblemShape, block_m: int, heads: int) -> tuple[int, float, int, int]:
+    """``(group, mean new tokens per sequence, tiles per sequence, tiles per KV group)`` of a launch that packs
+    ``heads`` heads of each KV group into tiles of ``block_m`` rows (no lengths are read)."""
+    group = max(1, shape.group_size)
+    heads = max(1, min(heads, group, block_m))
+    tokens = max(1.0, shape.num_tokens / max(1, shape.num_seqs))
+    return group, tokens, int(-(-tokens // (block_m // heads))), -(-group // heads)
+
+
 def row_efficiency(shape: ProblemShape, block_m: int, heads: int) -> float:
     """The share of a launch's tile rows that hold a (new token, query head) pair when ``heads`` query heads of
     each KV group share a tile of ``block_m`` rows, for sequences of the shape's mean new tokens (no lengths are
     read). Rows go to waste three ways: a last chunk of the group with fewer heads than the others (a group of
     3 in chunks of 2), rows past ``(block_m // heads) * heads`` (3 heads in 128 rows leave 2), and the last,
     partial tile of each sequence's tokens."""
-    group = max(1, shape.group_size)
-    heads = max(1, min(heads, group, block_m))
-    tokens = max(1.0, shape.num_tokens / max(1, shape.num_seqs))
-    per_tile = block_m // heads
-    chunks = -(-group // heads)
-    tiles = -(-tokens // per_tile)
+    group, tokens, tiles, chunks = _packed_tiles(shape, block_m, heads)
     return tokens * group / (tiles * chunks * block_m)
 
 
@@ -238,12 +242,8 @@ def packing_score(shape: ProblemShape, block_m: int, heads: int, sms: Optional[i
     where 1536 programs of 128 tokens x 1 head end in a wave 64% full (one head per tile measured 1.09 x)."""
     score = row_efficiency(shape, block_m, heads)
     if sms:
-        group = max(1, shape.group_size)
-        heads = max(1, min(heads, group, block_m))
-        tokens = max(1.0, shape.num_tokens / max(1, shape.num_seqs))
-        tiles = -(-tokens // (block_m // heads))
-        programs = int(tiles) * max(1, shape.num_seqs) * max(1, shape.num_kv_heads) * -(-group // heads)
-        score *= wave_efficiency(programs, sms)
+        _, _, tiles, chunks = _packed_tiles(shape, block_m, heads)
+        score *= wave_efficiency(tiles * max(1, shape.num_seqs) * max(1, shape.num_kv_heads) * chunks, sms)
     return score
 
 

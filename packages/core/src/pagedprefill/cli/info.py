@@ -83,8 +83,9 @@ def _print_routes(backend, info: DeviceInfo, suite: str = "default") -> None:
     suites."""
     from ..backends.triton_base import spec_shape
     from ..workloads import SUITES
+    from .bench import ENGINE_FORM_SUITES
 
-    engine_form = suite in ("engine", "models")
+    engine_form = suite in ENGINE_FORM_SUITES
     print(f"{backend.name}'s tiles and kernels for the {suite} suite (pagedprefill bench --suite {suite}):")
     for workload in SUITES[suite]():
         for layout in (("nhd",) if engine_form else ("split", "nhd")):
