@@ -1,16 +1,16 @@
 """How many query heads of a KV group each tile should hold, per model shape (GPU, alternating rounds).
 
-For each row of the models suite (``pagedprefill bench --suite models --list``), built once in the serving
-engine's form (k = v = None, every key and value in the NHD cache), the sm80 backend binds the engine's call with
-the policy's tile and with the same tile holding other packings of the group (``--packings``: ``policy``, a
-number of heads, ``group`` for the whole group, ``half`` for half of it); where a packing changes the number of
-programs, the key splits are the policy's rule for it. Beside them: the classic call on the same data (the new
-tokens' keys and values passed separately, NHD) and, when ``flash_attn.cute`` imports, FlashAttention-4 on the
-paged cache. Every column's output is checked against the float32 reference before it is timed; the times are
-medians of ``do_bench`` medians over alternating rounds.
+For each row of a bench suite (``--suite``; by default the models suite, ``pagedprefill bench --suite models
+--list``), built once in the serving engine's form (k = v = None, every key and value in the NHD cache), the sm80
+backend binds the engine's call with the policy's tile and with the same tile holding other packings of the group
+(``--packings``: ``policy``, a number of heads, ``group`` for the whole group, ``half`` for half of it); where a
+packing changes the number of programs, the key splits are the policy's rule for it. Beside them: the classic call
+on the same data (the new tokens' keys and values passed separately, NHD) and, when ``flash_attn.cute`` imports,
+FlashAttention-4 on the paged cache. Every column's output is checked against the float32 reference before it is
+timed; the times are medians of ``do_bench`` medians over alternating rounds.
 
-Usage: python ci/gpu/heads_sweep.py [--only NAME ...] [--packings policy,1,2,group] [--rounds 3] [--reps 50]
-       [--json PATH] [--compile-only] [--no-fa4]
+Usage: python ci/gpu/heads_sweep.py [--suite models|default|engine|context] [--only NAME ...]
+       [--packings policy,1,2,group] [--rounds 3] [--reps 50] [--json PATH] [--compile-only] [--no-fa4]
 Rows in the order of ``--only`` (each row once); one line per row: TFLOP/s (GB/s too for memory-bound rows) of
 each column; the JSON is written after every row. Exit status 1 when a column misses the conformance tolerance.
 """
@@ -30,7 +30,7 @@ from pagedprefill.cli.bench import classic_call, output_error, reference_output
 from pagedprefill.device import DeviceInfo
 from pagedprefill.tiling import key_splits_for, problem_shape, settle
 from pagedprefill.timing import alternating_rounds
-from pagedprefill.workloads import classic_twin, flops, fresh_output, kv_bytes, make_problem, models_suite
+from pagedprefill.workloads import SUITES, classic_twin, flops, fresh_output, kv_bytes, make_problem
 
 
 def packings(spec: str, group: int, policy: int) -> list[int]:
@@ -61,6 +61,7 @@ def forced(backend, problem, info, heads: int):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--suite", choices=sorted(SUITES), default="models", help="the suite whose rows are timed")
     parser.add_argument("--only", action="append", default=[], help="rows whose name contains this (repeatable)")
     parser.add_argument("--packings", default="policy,1,2,group", help="head counts per tile to time")
     parser.add_argument("--rounds", type=int, default=3)
@@ -72,11 +73,11 @@ def main(argv=None) -> int:
                              "processes before the timing run)")
     args = parser.parse_args(argv)
     # In the order of --only, so that a run cut short has timed the rows named first.
-    suite = models_suite()
+    suite = SUITES[args.suite]()
     rows = suite if not args.only else list({wl.name: wl for part in args.only for wl in suite
                                              if part in wl.name}.values())
     if not rows:
-        parser.error(f"--only {args.only}: no row of the models suite matches")
+        parser.error(f"--only {args.only}: no row of the {args.suite} suite matches")
     info = DeviceInfo.detect(torch.device("cuda"))
     backend = get_registry().get("sm80")
     fa4 = None
