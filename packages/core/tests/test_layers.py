@@ -180,7 +180,7 @@ SM80_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("kernel", ("hopper.state", "hopper.loads", "hopper.epilogue", "hopper.consumer", "hopper.producer",
                 "hopper.kernel", "hopper.encoded")),
     ("policy", ("policy",)),
-    ("launcher", ("hopper.launch",)),
+    ("launcher", ("hopper.launch", "hopper.route")),
     ("backend", ("backend", "plugin", "")),
 )
 

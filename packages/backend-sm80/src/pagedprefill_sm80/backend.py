@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import functools
 
-from pagedprefill.backends.triton_base import TritonBackend, problem_shape
+from pagedprefill.backends.routes import PORTABLE
+from pagedprefill.backends.triton_base import TritonBackend
 from pagedprefill.device import DeviceInfo
 from pagedprefill.tiling import ProblemShape, TileConfig
 from pagedprefill.tuning import tables_state
-from pagedprefill.types import PrefillProblem
 from pagedprefill.variables import EnvironmentVariable
 
 from .hopper import schedule
-from .hopper.schedule import shape_unfit_reason
+from .hopper.route import HOPPER
 from .policy import (
     KERNEL_CHOICES,
     KERNEL_ENV,
@@ -33,6 +33,8 @@ class Sm80Backend(TritonBackend):
     priority = 200
     description = "Triton kernels tuned for NVIDIA sm80+ (A100, L40, H100/H200, B200)"
     policy = staticmethod(sm80_policy)
+    #: Core's kernel, and the Hopper kernel where the policy names it and the call fits it.
+    routes = {PORTABLE.name: PORTABLE, HOPPER.name: HOPPER}
     #: Checked at every selection, so a misspelt value is an error naming the variable on any machine, not only
     #: when a policy runs on sm90.
     environment_variables = (
@@ -79,62 +81,6 @@ class Sm80Backend(TritonBackend):
         if config.key_splits > 1:
             why += f"; each tile's keys split {config.key_splits} ways (the launch would not fill the GPU)"
         return kernel, why
-
-    def kernel_for(self, problem: PrefillProblem, device: DeviceInfo) -> str:
-        """The kernel that runs ``problem``: the policy's choice, or the portable kernel when the Hopper
-        kernel cannot take the tile it is given (a tile forced from outside the policy) or address these
-        tensors (strides a 2-D TMA view needs, 16-byte alignment)."""
-        from .hopper.launch import unfit_reason
-
-        shape = problem_shape(problem)
-        config = self.tile_config(shape, device)
-        if config.kernel == "hopper" and shape_unfit_reason(shape, config, device.max_shared_mem) is None \
-                and unfit_reason(problem, config) is None:
-            return "hopper"
-        return "portable"
-
-    def run(self, problem: PrefillProblem, device: DeviceInfo) -> None:
-        if self.kernel_for(problem, device) != "hopper":
-            return super().run(problem, device)
-        from .hopper.launch import launch_hopper
-
-        shape = problem_shape(problem)
-        launch_hopper(problem, self.tile_config(shape, device), shape)
-
-    def run_tile(self, problem: PrefillProblem, config: TileConfig, device: DeviceInfo) -> None:
-        """Run ``problem`` with the tile ``config`` on the kernel it names (for ``pagedprefill tune``); a Hopper
-        tile the kernel cannot take for this call raises ``ValueError`` with the reason."""
-        if config.kernel != "hopper":
-            return super().run_tile(problem, config, device)
-        from .hopper.launch import launch_hopper, unfit_reason
-
-        shape = problem_shape(problem)
-        reason = shape_unfit_reason(shape, config, device.max_shared_mem) or unfit_reason(problem, config)
-        if reason is not None:
-            raise ValueError(f"config: the Hopper kernel {reason}")
-        launch_hopper(problem, config, shape)
-
-    def bind(self, problem: PrefillProblem, device: DeviceInfo):
-        if self.kernel_for(problem, device) != "hopper":
-            return super().bind(problem, device)
-        from .hopper.launch import bind_hopper
-
-        shape = problem_shape(problem)
-        launch = bind_hopper(problem, self.tile_config(shape, device), shape)
-        return launch if launch is not None else self.run_again(device)
-
-    def compile_for_target(self, problem: PrefillProblem, config: TileConfig, capability: int):
-        if config.kernel != "hopper":
-            return super().compile_for_target(problem, config, capability)
-        from pagedprefill.triton.codegen import compile_call
-
-        from .hopper.kernel import hopper_prefill_kernel
-        from .hopper.launch import kernel_call
-
-        call = kernel_call(problem, config, problem_shape(problem))
-        if call is None:
-            raise ValueError("problem: has nothing to compute (no tokens, sequences or heads)")
-        return compile_call(hopper_prefill_kernel, call, capability)
 
     def search_space(self, shape: ProblemShape, device: DeviceInfo) -> list[TileConfig]:
         """Candidates ``pagedprefill tune`` measures for ``shape`` on ``device``."""

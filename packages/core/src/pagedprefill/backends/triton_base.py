@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Mapping
 
 from ..device import DeviceInfo, interpreter_enabled, interpreter_unready, triton_installed
 from ..registry import Backend, UnsupportedFeatureError
@@ -11,6 +12,7 @@ from ..tiling import ProblemShape, TileConfig, problem_shape  # problem_shape: s
 from ..tuning import tables_state
 from ..types import FEATURES, FP8_QUERY_DTYPES, KVCacheDType, PrefillProblem
 from ..validation import dtype_name
+from .routes import PORTABLE, KernelRoute
 
 
 def spec_shape(spec, twin) -> ProblemShape:
@@ -41,8 +43,14 @@ def e4m3_arguments(problem: PrefillProblem) -> list[tuple[str, str]]:
 class TritonBackend(Backend):
     """A backend made of core's Triton kernel plus a policy; subclasses add hardware checks.
 
-    Subclasses implement :meth:`hardware_reasons` (why the device is not theirs) and set :attr:`policy`.
+    Subclasses implement :meth:`hardware_reasons` (why the device is not theirs) and set :attr:`policy`. A
+    subclass with kernels of its own adds their :class:`~pagedprefill.backends.routes.KernelRoute` to
+    :attr:`routes`; its policy names them in each tile, and every call goes to its tile's route.
     """
+
+    #: The kernels this backend launches, by the name a tile's :attr:`~pagedprefill.tiling.TileConfig.kernel`
+    #: gives: core's kernel, which takes every call a kernel of a subclass's own cannot.
+    routes: Mapping[str, KernelRoute] = {PORTABLE.name: PORTABLE}
 
     #: Whether the backend accepts CPU tensors under ``TRITON_INTERPRET=1``.
     runs_in_interpreter = False
@@ -90,20 +98,27 @@ class TritonBackend(Backend):
         kernel of its own returns one that core's kernel holds, for the calls that kernel does not take."""
         return self.tile_config(shape, device)
 
+    def route_for(self, problem: PrefillProblem, device: DeviceInfo) -> tuple[KernelRoute, TileConfig, ProblemShape]:
+        """The route that computes ``problem`` and the tile it runs: the policy's kernel and tile, or core's
+        kernel with :meth:`portable_tile` where the policy's kernel cannot take this call."""
+        shape = problem_shape(problem)
+        config = self.tile_config(shape, device)
+        route = self.routes[config.kernel]
+        if route is not PORTABLE and route.unfit_reason(problem, config, shape, device) is None:
+            return route, config, shape
+        return PORTABLE, self.portable_tile(shape, device), shape
+
     def kernel_for(self, problem: PrefillProblem, device: DeviceInfo) -> str:
-        """``"portable"``: core's Triton kernel (a subclass with kernels of its own says which runs)."""
-        return "portable"
+        """The name of the kernel that computes ``problem`` (:meth:`route_for`)."""
+        return self.route_for(problem, device)[0].name
 
     def kernel_choice(self, shape: ProblemShape, device: DeviceInfo) -> tuple[str, str]:
         return "portable", "core's Triton kernel"
 
     def compile_for_target(self, problem: PrefillProblem, config: TileConfig, capability: int):
-        """The kernel that would run ``problem`` with ``config``, compiled ahead of time for NVIDIA
-        ``sm_<capability>`` without a GPU (for the codegen report); a subclass with kernels of its own compiles
-        the one ``config`` names."""
-        from ..triton.codegen import compile_for_target
-
-        return compile_for_target(problem, config, capability)
+        """The kernel ``config`` names, compiled for ``problem`` ahead of time for NVIDIA ``sm_<capability>``
+        without a GPU (for the codegen report)."""
+        return self.routes[config.kernel].compile(problem, config, capability)
 
     def check_problem(self, problem: PrefillProblem, device: DeviceInfo) -> None:
         """Refuse a problem whose smallest tile cannot fit the device's shared memory, or one with e4m3 values (an
@@ -129,30 +144,22 @@ class TritonBackend(Backend):
                 f"block; use float16/bfloat16 inputs or backend='reference'")
 
     def run(self, problem: PrefillProblem, device: DeviceInfo) -> None:
-        from ..triton.launch import launch_prefill
-
-        shape = problem_shape(problem)
-        launch_prefill(problem, self.portable_tile(shape, device), shape)
+        route, config, shape = self.route_for(problem, device)
+        route.run(problem, config, shape)
 
     def run_tile(self, problem: PrefillProblem, config: TileConfig, device: DeviceInfo) -> None:
-        """Run ``problem`` on core's kernel with the tile ``config`` (for ``pagedprefill tune``)."""
-        from ..triton.launch import launch_prefill
-
-        launch_prefill(problem, config, problem_shape(problem))
+        """Run ``problem`` with the tile ``config`` on the kernel it names (for ``pagedprefill tune``); a tile that
+        kernel cannot take for this call raises ``ValueError`` with the reason."""
+        route = self.routes[config.kernel]
+        shape = problem_shape(problem)
+        reason = route.unfit_reason(problem, config, shape, device)
+        if reason is not None:
+            raise ValueError(f"config: the {route.title} {reason}")
+        route.run(problem, config, shape)
 
     def bind(self, problem: PrefillProblem, device: DeviceInfo):
         """Run ``problem`` and return a launcher of the compiled kernel for its signature (on GPUs; the
         interpreter keeps launching through Triton's JIT)."""
-        from ..triton.launch import bind_launch, call_tensors
-
-        shape = problem_shape(problem)
-        config = self.portable_tile(shape, device)
-        bound = bind_launch(problem, config, shape)
-        if bound is None:  # nothing to launch, or a driver without direct launches: already run by the JIT
-            return self.run_again(device)
-        splits = config.key_splits
-
-        def launch(later: PrefillProblem) -> bool:
-            return bound(call_tensors(later, splits))
-
-        return launch
+        route, config, shape = self.route_for(problem, device)
+        launch = route.bind(problem, config, shape)
+        return launch if launch is not None else self.run_again(device)
