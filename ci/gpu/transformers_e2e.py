@@ -61,6 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"attention implementations, in order (default: {' '.join(IMPLEMENTATIONS)})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts (default 0)")
     parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
+    parser.add_argument("--host-times", action="store_true",
+                        help="also time the host's side of every attention call of the timed runs (a timer around "
+                             "the implementation's function, no synchronisation)")
     args = parser.parse_args(argv)
     if not 1 <= args.min_len <= args.max_len:
         parser.error("--min-len and --max-len: expected 1 <= min <= max")
@@ -129,11 +132,21 @@ def measure(results, prompts) -> dict:
         "decode_s": end - prefill_end,
         "decode_tokens": decode_tokens,
         "decode_tokens_per_s": decode_tokens / (end - prefill_end) if end > prefill_end else None,
+        # A step stamps its tokens at one time: the gaps between those times are the steps' durations.
+        "decode_step_ms_median": 1e3 * statistics.median(steps) if (steps := step_gaps(results, prefill_end))
+        else None,
         "ttft_median_s": statistics.median(ttft),
         "ttft_p90_s": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))],
         "ttft_max_s": ttft[-1],
         "wall_s": end - start,
+        "generated_tokens_per_s": sum(len(r.generated_tokens) for r in results) / (end - start),
     }
+
+
+def step_gaps(results, after: float) -> list[float]:
+    """Seconds between consecutive generation steps after ``after`` (the steps' distinct token times)."""
+    times = sorted({t for r in results for t in r.timestamps if t > after})
+    return [b - a for a, b in zip(times, times[1:])]
 
 
 def agreement(tokens, reference) -> dict:
@@ -157,7 +170,15 @@ def run_one(model, impl, prompts, warmup_prompts, args, cb_kwargs) -> dict:
         errors = [r.error for r in warm if r.error]
         if errors or len(warm) != len(warmup_prompts):
             return {**row, "status": "not run", "reason": f"warm-up failed: {errors[0] if errors else 'no results'}"}
-        results = generate(model, impl, prompts, args.new_tokens, cb_kwargs)
+        times, restore = timed_attention(impl) if args.host_times else (None, None)
+        try:
+            results = generate(model, impl, prompts, args.new_tokens, cb_kwargs)
+        finally:
+            if restore is not None:
+                restore()
+        if times is not None:
+            row["attention_host"] = host_summary(times)
+            print(f"{impl}: attention calls' host time {row['attention_host']}", flush=True)
     except Exception as err:  # an implementation that cannot run here is a row saying why, not a crash
         return {**row, "status": "not run", "reason": f"{type(err).__name__}: {err}".strip()}
     finally:
@@ -167,6 +188,37 @@ def run_one(model, impl, prompts, warmup_prompts, args, cb_kwargs) -> dict:
     if errors or len(results) != len(prompts) or any(not r.timestamps for r in results):
         return {**row, "status": "failed", "reason": errors[0] if errors else "missing results"}
     return {**row, "status": "ok", **measure(results, prompts), "tokens": [r.generated_tokens for r in results]}
+
+
+def timed_attention(impl: str):
+    """Wrap ``impl``'s attention function in transformers' registry with a host timer (no synchronisation: the
+    time the host spends in each call, launches included). Returns the list the call times go to and a function
+    that puts the original back."""
+    import time
+
+    import transformers
+
+    mapping = transformers.AttentionInterface._global_mapping
+    name = impl.removeprefix("paged|")
+    key = impl if impl in mapping else name
+    original, times = mapping[key], []
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            times.append(time.perf_counter() - start)
+
+    mapping[key] = timed
+    return times, lambda: mapping.__setitem__(key, original)
+
+
+def host_summary(times: list[float]) -> dict:
+    """Calls, total seconds and the median and 90th percentile in microseconds of the attention calls' host times."""
+    ordered = sorted(times)
+    return {"calls": len(times), "host_s": sum(times), "median_us": 1e6 * statistics.median(ordered) if times else None,
+            "p90_us": 1e6 * ordered[int(0.9 * (len(ordered) - 1))] if times else None}
 
 
 def environment() -> dict:
@@ -240,7 +292,8 @@ def format_row(row: dict) -> str:
     return (f"{row['impl']:<24} prefill {row['prefill_tokens_per_s']:10.0f} tok/s   decode "
             f"{decode if decode is not None else float('nan'):8.1f} tok/s   time to first token median "
             f"{row['ttft_median_s']:.2f} s, p90 {row['ttft_p90_s']:.2f} s, max {row['ttft_max_s']:.2f} s   "
-            f"wall {row['wall_s']:.2f} s")
+            f"decode step median {row['decode_step_ms_median'] or float('nan'):.1f} ms   "
+            f"wall {row['wall_s']:.2f} s ({row['generated_tokens_per_s']:.1f} generated tok/s)")
 
 
 if __name__ == "__main__":

@@ -1409,14 +1409,21 @@ def test_idle_half_is_on_where_its_branch_does_not_spill_and_reaches_the_launch(
 
 
 def test_lazy_rescale_compiles_for_sm90_without_spills():
-    """``LAZY_RESCALE`` (on by default, NHD only) on the long prefill's NHD tile: no spills, no instruction on
-    an in-flight MMA's registers, and code of its own (the vote and its branch); the split layout resolves it
-    off whatever is asked."""
+    """``LAZY_RESCALE`` (on by default for the engine's call on a 16-bit NHD cache) on that call's tile: no spills,
+    no instruction on an in-flight MMA's registers, and code of its own (the vote and its branch); where it did
+    not win (the split layout, an FP8 cache, the new tokens' K/V passed apart, split keys) it resolves off
+    whatever is asked."""
     from pagedprefill_sm80.hopper.schedule import DEFAULTS
 
     assert DEFAULTS["LAZY_RESCALE"]
-    split = problem_shape(make_problem(SPEC.replace(layout="split")))
-    assert not resolve(split, hopper_config(split), dict(LAZY_RESCALE=True))["LAZY_RESCALE"]
+    engine = problem_shape(make_problem(SPEC.replace(kv_in_cache=True)))
+    assert resolve(engine, hopper_config(engine))["LAZY_RESCALE"]
+    for off in (SPEC.replace(layout="split", kv_in_cache=True), SPEC.replace(kv_cache_dtype="fp8_e4m3",
+                                                                              kv_in_cache=True), SPEC):
+        shape = problem_shape(make_problem(off))
+        assert not resolve(shape, hopper_config(shape), dict(LAZY_RESCALE=True))["LAZY_RESCALE"], off
+    split_keys = hopper_config(engine).with_(key_splits=2)
+    assert not resolve(engine, split_keys, dict(LAZY_RESCALE=True))["LAZY_RESCALE"]
     summaries = child_result("compile_lazy_rescale")
     for name, summary in summaries.items():
         assert summary["spill_bytes"] in (0, None) and summary["wgmma_hazards"] in (0, None), (name, summary)
@@ -1433,7 +1440,7 @@ def compile_lazy_rescale() -> dict:
     from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
 
     out = {}
-    problem = make_problem(SPEC.replace(layout="nhd"))
+    problem = make_problem(SPEC.replace(layout="nhd", kv_in_cache=True))
     s = problem_shape(problem)
     for name, lazy in (("plain", False), ("lazy", True)):
         compiled = compile_call(hopper_prefill_kernel,

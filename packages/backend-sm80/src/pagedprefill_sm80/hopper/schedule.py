@@ -40,8 +40,8 @@ has the figures of these and of the variants that lost and were removed):
 * ``LAZY_RESCALE``: a row's running max moves only when a tile's maximum exceeds it by more than
   :data:`~.consumer.RESCALE_GROWTH` (8 in log2 units), and a consumer rescales its accumulator only on tiles
   where one of its rows' max moved (a vote of its rows); on the other tiles the 64 multiplies per thread are
-  skipped. On for the NHD layout (on the split layout the consumers spill with it); docs/backends/sm80.md says
-  what it was verified and measured with.
+  skipped. On for the engine's call on a 16-bit NHD cache (every key in the cache), tiles of at most 128 keys
+  and one walk per tile; docs/backends/sm80.md has its A/B.
 
 An FP8 cache is always widened by the producer warpgroup, once per tile, into the 16-bit ring both
 consumers read.
@@ -204,9 +204,12 @@ def resolve(shape: ProblemShape, config: TileConfig, schedule: Optional[dict] = 
     flags["FUSED_SCALE"] = bool(flags["FUSED_SCALE"])
     flags["FP8_SCORES"] = bool(flags["FP8_SCORES"]) and fp8_scores_fit(shape)
     flags["HEAVY_FIRST"] = bool(flags["HEAVY_FIRST"])
-    # NHD only: with the split layout's copy addresses beside them the consumers spill on its vote (alibi 56
-    # bytes, a window 24, softcap 20 on the policy's tiles; 4 on 256-key tiles).
-    flags["LAZY_RESCALE"] = bool(flags["LAZY_RESCALE"]) and not split
+    # Where it won (the engine's call: every key in an NHD 16-bit cache, one walk per tile of at most 128 keys:
+    # 1.01-1.04 x on its prefill rows); with the split layout's copy addresses beside them the consumers spill on
+    # its vote (alibi 56 bytes, a window 24, softcap 20). Elsewhere it measured level or slower: an FP8 cache
+    # 0.86-1.01 x, the new tokens' K/V passed apart 0.98-1.03 x, 256-key tiles 0.97-0.99 x, split keys 0.95 x.
+    flags["LAZY_RESCALE"] = (bool(flags["LAZY_RESCALE"]) and not split and not fp8 and shape.kv_in_cache
+                             and config.block_n <= 128 and config.key_splits == 1)
     return flags
 
 

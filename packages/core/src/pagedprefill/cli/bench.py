@@ -228,7 +228,7 @@ def classic_call(problem: PrefillProblem, backend: str) -> Callable[[], torch.Te
     return run
 
 
-def _check_plain(workload: Workload) -> None:
+def check_plain(workload: Workload) -> None:
     """Refuse a workload with options: the engine suite passes both drop-ins the arguments they take alike,
     which cover plain causal attention (with any scale and cache dtype) only."""
     s = workload.spec
@@ -442,7 +442,7 @@ def run_engine_suite(backends: list[str], workloads: list[Workload], device: tor
     rows = []
     for i, workload in enumerate(workloads):
         say(f"[{i + 1}/{len(workloads)}] {workload.name}")
-        _check_plain(workload)
+        check_plain(workload)
         engine = make_problem(workload.spec.replace(layout="nhd", kv_in_cache=True), device)
         expected = reference_output(engine)
         columns = (our_columns(runnable, engine_forms(engine, layouts), info)
