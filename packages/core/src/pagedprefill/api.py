@@ -29,13 +29,7 @@ from .runtime import (  # those in __all__ re-exported: they have always been im
     reset_registry,
     select_backend,
 )
-from .types import (
-    AttentionOptions,
-    BatchMetadata,
-    PagedKVCache,
-    PrefillProblem,
-    ScaleLike,
-)
+from .types import BatchMetadata, PagedKVCache, PrefillProblem, ScaleLike
 from .validation import DROP_IN_NAMES, ValidateMode
 
 __all__ = ["BackendChoice", "available_backends", "context_attention_fwd", "dispatch", "get_registry",
@@ -93,12 +87,10 @@ def prefill_attention(
     """
     if out is None and isinstance(q, torch.Tensor):
         out = new_output(q, fp8_out_scale, skip_decode, k, getattr(cache, "key", None))
-    problem = PrefillProblem(
-        q=q, k=k, v=v, out=out, cache=cache, batch=batch,
-        options=AttentionOptions(sm_scale=sm_scale, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
-                                 softcap=softcap, sinks=sinks, causal=causal, skip_decode=skip_decode,
-                                 fp8_out_scale=fp8_out_scale, q_scale=q_scale),
-    )
+    problem = PrefillProblem.build(
+        q, k, v, out, cache, batch, sm_scale=sm_scale, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
+        softcap=softcap, sinks=sinks, causal=causal, skip_decode=skip_decode, fp8_out_scale=fp8_out_scale,
+        q_scale=q_scale)
     return dispatch_or_record(problem, backend, validate)
 
 
