@@ -30,6 +30,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("backends and kernels", ("backends", "triton")),
     ("dispatch", ("runtime",)),
     ("operators", ("ops",)),
+    ("calls", ("calls",)),
     ("public API", ("api", "vllm", "")),
     ("tools", ("__main__", "cli", "testing", "integrations")),
 )

@@ -20,6 +20,7 @@ import pagedprefill.vllm
 import pytest
 import torch
 from pagedprefill import ops, plans
+from pagedprefill.calls import drop_in_window
 from pagedprefill.features import FEATURE_DESCRIPTIONS
 from pagedprefill.options import APIS, BY_NAME, FEATURES, HOLDERS, OPTIONS, held_by
 from pagedprefill.workloads import BatchSpec, make_problem
@@ -157,7 +158,7 @@ def test_drop_ins_spell_no_window_as_the_operators_do(window):
     c, b = p.cache, p.batch
     problem = pp.PrefillProblem.from_tensors(p.q, p.k, p.v, p.out, c.key, c.value, b.block_table, b.query_start,
                                              b.seq_lens, b.context_lens,
-                                             sliding_window=pp.api._drop_in_window(window))
+                                             sliding_window=drop_in_window(window))
     assert problem.options.sliding_window is None
     assert pp.AttentionOptions(sliding_window=0).sliding_window is None  # the typed objects' own spelling
 

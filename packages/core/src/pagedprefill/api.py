@@ -9,7 +9,8 @@
 All build a :class:`PrefillProblem`, validate it, pick a backend for the tensors' device and run it. While
 ``torch.compile`` traces them they call the custom operator ``torch.ops.pagedprefill.prefill_attention_``
 instead (one graph node, no graph break; see :mod:`pagedprefill.ops`), which runs the same dispatch
-(:mod:`pagedprefill.runtime`, which also holds the registry functions re-exported here).
+(:mod:`pagedprefill.runtime`, which also holds the registry functions re-exported here). What they share on
+the way is :mod:`pagedprefill.calls`.
 """
 
 from __future__ import annotations
@@ -18,62 +19,21 @@ from typing import Optional
 
 import torch
 
-from . import ops
-from .options import BY_NAME
-from .runtime import (  # re-exported: these have always been importable from here
+from .calls import dispatch_or_record, drop_in_window
+from .runtime import (  # those in __all__ re-exported: they have always been importable from here
     BackendChoice,
-    _new_output,
     available_backends,
     dispatch,
     get_registry,
+    new_output,
     reset_registry,
     select_backend,
 )
-from .types import (
-    AttentionOptions,
-    BatchMetadata,
-    PagedKVCache,
-    PrefillProblem,
-    ScaleLike,
-)
-from .validation import (
-    DROP_IN_NAMES,
-    NATIVE_NAMES,
-    ArgumentNames,
-    ValidateMode,
-    argument_names_key,
-    validate_tensors,
-)
+from .types import BatchMetadata, PagedKVCache, PrefillProblem, ScaleLike
+from .validation import DROP_IN_NAMES, ValidateMode
 
 __all__ = ["BackendChoice", "available_backends", "context_attention_fwd", "dispatch", "get_registry",
            "prefill_attention", "reset_registry", "select_backend"]
-
-_SLIDING_WINDOW = BY_NAME["sliding_window"]
-
-
-def _drop_in_window(sliding_window):
-    """The drop-in signatures' ``sliding_window`` as the typed objects hold it: they spell "no window" as the
-    operators do (None, or an int ``<= 0``), so :meth:`Option.from_schema` converts it to None."""
-    return _SLIDING_WINDOW.from_schema(sliding_window)
-
-
-def _backend_name(backend: BackendChoice) -> str:
-    if backend is None:
-        return ""
-    return backend if isinstance(backend, str) else backend.name
-
-
-def _dispatch_or_record(problem: PrefillProblem, backend: BackendChoice, validate: ValidateMode,
-                        names: ArgumentNames = NATIVE_NAMES) -> torch.Tensor:
-    """:func:`dispatch`, or while ``torch.compile`` traces, the in-place custom operator (same dispatch at
-    run time, no data-dependent Python in the traced graph; its errors name the same arguments)."""
-    if torch.compiler.is_compiling():
-        validate_tensors(problem, names)  # names the caller's arguments; the operator checks options
-        tensors, kwargs = ops.op_arguments(problem, _backend_name(backend))
-        torch.ops.pagedprefill.prefill_attention_(*tensors[:3], problem.out, *tensors[3:], validate=validate,
-                                                   argument_names=argument_names_key(names), **kwargs)
-        return problem.out
-    return dispatch(problem, backend=backend, validate=validate, names=names)
 
 
 def prefill_attention(
@@ -126,14 +86,12 @@ def prefill_attention(
         UnsupportedFeatureError: the backend does not run an option used (see :mod:`pagedprefill.features`).
     """
     if out is None and isinstance(q, torch.Tensor):
-        out = _new_output(q, fp8_out_scale, skip_decode, k, getattr(cache, "key", None))
-    problem = PrefillProblem(
-        q=q, k=k, v=v, out=out, cache=cache, batch=batch,
-        options=AttentionOptions(sm_scale=sm_scale, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
-                                 softcap=softcap, sinks=sinks, causal=causal, skip_decode=skip_decode,
-                                 fp8_out_scale=fp8_out_scale, q_scale=q_scale),
-    )
-    return _dispatch_or_record(problem, backend, validate)
+        out = new_output(q, fp8_out_scale, skip_decode, k, getattr(cache, "key", None))
+    problem = PrefillProblem.build(
+        q, k, v, out, cache, batch, sm_scale=sm_scale, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
+        softcap=softcap, sinks=sinks, causal=causal, skip_decode=skip_decode, fp8_out_scale=fp8_out_scale,
+        q_scale=q_scale)
+    return dispatch_or_record(problem, backend, validate)
 
 
 def context_attention_fwd(
@@ -178,6 +136,6 @@ def context_attention_fwd(
     problem = PrefillProblem.from_tensors(
         q, k, v, o, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, b_ctx_len, kv_cache_dtype=kv_cache_dtype,
         k_scale=k_scale, v_scale=v_scale, max_query_len=max_input_len, sm_scale=sm_scale,
-        alibi_slopes=alibi_slopes, sliding_window=_drop_in_window(sliding_window), softcap=softcap, sinks=sinks,
+        alibi_slopes=alibi_slopes, sliding_window=drop_in_window(sliding_window), softcap=softcap, sinks=sinks,
         q_scale=q_scale)
-    return _dispatch_or_record(problem, backend, validate, DROP_IN_NAMES)
+    return dispatch_or_record(problem, backend, validate, DROP_IN_NAMES)

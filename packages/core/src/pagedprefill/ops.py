@@ -85,7 +85,7 @@ from typing import Optional
 import torch
 
 from .options import BY_NAME, OPTIONS, Option, held_by, tensor_form
-from .runtime import _new_output, dispatch
+from .runtime import dispatch, new_output
 from .types import KVLayout, PrefillProblem
 from .validation import ARGUMENT_NAMES, ArgumentNames, validate_problem
 
@@ -215,7 +215,7 @@ def _check_fake(problem: PrefillProblem, arguments: dict) -> None:
 def _prefill_attention(*args, **kwargs) -> torch.Tensor:
     """Prefix-prefill attention over a paged KV cache; returns a new ``[T, H, D]`` tensor (see the module)."""
     a = _bound(FUNCTIONAL_SIGNATURE, args, kwargs)
-    out = _new_output(a["q"], _typed(_FP8_OUT, a), a["skip_decode"], a["k"], a["k_cache"])
+    out = new_output(a["q"], _typed(_FP8_OUT, a), a["skip_decode"], a["k"], a["k_cache"])
     _dispatch_call(_problem(dict(a, out=out)), a)
     return out
 
@@ -229,7 +229,7 @@ prefill_attention = torch.library.custom_op(f"{LIBRARY_NAMESPACE}::prefill_atten
 def _prefill_attention_fake(*args, **kwargs):
     a = _bound(FUNCTIONAL_SIGNATURE, args, kwargs)
     q = a["q"]
-    out = _new_output(q, _typed(_FP8_OUT, a), False, a["k"], a["k_cache"])  # a fake tensor holds no values
+    out = new_output(q, _typed(_FP8_OUT, a), False, a["k"], a["k_cache"])  # a fake tensor holds no values
     _check_fake(_problem(dict(a, out=out)), a)
     return out
 

@@ -7,10 +7,11 @@ optional feature a non-default value uses, and how each public function spells i
 in the operators' schema order.
 
 What is derived from it: the operators' schema and Python signatures, their conversion in both directions
-and their fake implementations (:mod:`pagedprefill.ops`), the builder
-:meth:`~pagedprefill.PrefillProblem.from_tensors`, the checks of the attention options
-(:mod:`pagedprefill.validation`), the launch plans' call signature (:mod:`pagedprefill.plans`), the optional
-features (:data:`FEATURES`, :attr:`PrefillProblem.features <pagedprefill.PrefillProblem.features>`,
+and their fake implementations (:mod:`pagedprefill.ops`), the builders
+:meth:`~pagedprefill.PrefillProblem.build` and :meth:`~pagedprefill.PrefillProblem.from_tensors`, the checks of
+the attention options (:mod:`pagedprefill.validation`), the launch plans' call signature
+(:mod:`pagedprefill.plans`), the optional features (:data:`FEATURES`,
+:attr:`PrefillProblem.features <pagedprefill.PrefillProblem.features>`,
 :data:`pagedprefill.features.FEATURE_DESCRIPTIONS`). The public signatures are written out, so that readers
 and type checkers see them; ``packages/core/tests/test_options.py`` checks each against this table.
 

@@ -2,9 +2,10 @@
 
 :func:`dispatch` validates a :class:`PrefillProblem`, selects a backend for its device and runs it (or
 replays the launch plan of an earlier call with the same signature, :mod:`pagedprefill.plans`). The public
-functions (:mod:`pagedprefill.api`, :mod:`pagedprefill.vllm`) and the custom operators
-(:mod:`pagedprefill.ops`) all end here; this module imports neither of them, so the operators can sit below
-the public functions (see docs/architecture.md, "Layers").
+functions (:mod:`pagedprefill.api`, :mod:`pagedprefill.vllm`, through :mod:`pagedprefill.calls`) and the
+custom operators (:mod:`pagedprefill.ops`) all end here; this module imports none of them, so the operators
+can sit below the public functions (see docs/architecture.md, "Layers"). :func:`new_output` allocates the
+output of a call whose caller passes none (the native API and the functional operator).
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def dispatch(problem: PrefillProblem, backend: BackendChoice = None, validate: V
     return problem.out
 
 
-def _new_output(q: torch.Tensor, fp8_out_scale, skip_decode: bool, k=None, k_cache=None) -> torch.Tensor:
+def new_output(q: torch.Tensor, fp8_out_scale, skip_decode: bool, k=None, k_cache=None) -> torch.Tensor:
     """The output tensor allocated when the caller passes none (zeros where rows may stay unwritten): in
     ``q``'s dtype, FP8 with ``fp8_out_scale``, and for an FP8 ``q`` in the 16-bit type of ``k`` or of an
     unquantised ``k_cache`` (bfloat16 when neither is 16-bit)."""

@@ -1,8 +1,8 @@
 """Typed descriptions of a prefix-prefill call: batch metadata, the paged KV cache, and options.
 
-These are the objects of the native API (:func:`pagedprefill.prefill_attention`). The drop-in
-:func:`pagedprefill.context_attention_fwd` builds the same objects from its positional arguments, so
-both APIs reach the backends through one path.
+These are the objects of the native API (:func:`pagedprefill.prefill_attention`). The drop-ins and the custom
+operators build the same objects from their positional arguments (:meth:`PrefillProblem.from_tensors`), and
+every entry point's problem comes from one builder, :meth:`PrefillProblem.build`.
 """
 
 from __future__ import annotations
@@ -35,11 +35,14 @@ def fp8_query_compute_dtype(*tensors) -> torch.dtype:
                 torch.bfloat16)
 
 #: ``(name, attribute, default)`` of the options the cache, the batch and the attention options hold, for
-#: PrefillProblem.from_tensors (read once: every call of the public functions builds a problem).
+#: PrefillProblem's builders (read once: every call of the public functions builds a problem).
 _CACHE_FIELDS, _BATCH_FIELDS, _OPTION_FIELDS = (tuple((o.name, o.attribute, o.default) for o in held_by(holder))
                                                 for holder in ("cache", "batch", "options"))
 #: The names :meth:`PrefillProblem.from_tensors` takes.
 _HELD_NAMES = frozenset(name for fields in (_CACHE_FIELDS, _BATCH_FIELDS, _OPTION_FIELDS) for name, _, _ in fields)
+#: The names :meth:`PrefillProblem.build` takes: the options :class:`AttentionOptions` holds, each by the name of
+#: its field.
+_OPTION_NAMES = frozenset(name for name, attribute, _ in _OPTION_FIELDS if name == attribute)
 
 
 class KVLayout(str, enum.Enum):
@@ -311,6 +314,33 @@ class PrefillProblem:
         return int(self.q.shape[1])
 
     @classmethod
+    def build(
+        cls,
+        q: torch.Tensor,
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        out: torch.Tensor,
+        cache: PagedKVCache,
+        batch: BatchMetadata,
+        **options,
+    ) -> PrefillProblem:
+        """The problem of one call: the builder every public entry point's problem comes from
+        (:func:`~pagedprefill.prefill_attention` with the caller's cache and batch; the drop-ins and the custom
+        operators through :meth:`from_tensors`, which makes the cache and the batch of plain tensors first).
+
+        ``options`` are the fields of :class:`AttentionOptions` by name (:data:`pagedprefill.options.OPTIONS`
+        held by ``"options"``), in the typed objects' form (``None`` where absent), with the description's
+        defaults. ``cache`` and ``batch`` are kept as given, like every other argument: nothing is validated here
+        (:func:`~pagedprefill.validate_problem` names what is wrong).
+        """
+        if not _OPTION_NAMES.issuperset(options):
+            raise TypeError(f"build: unexpected arguments {sorted(set(options) - _OPTION_NAMES)}; expected fields "
+                            f"of AttentionOptions (pagedprefill.options.OPTIONS held by 'options')")
+        # AttentionOptions' fields are these options by name, with the description's defaults (test_options.py
+        # checks both): passed on as they are, as a call's hot path wants.
+        return cls(q=q, k=k, v=v, out=out, cache=cache, batch=batch, options=AttentionOptions(**options))
+
+    @classmethod
     def from_tensors(
         cls,
         q: torch.Tensor,
@@ -325,8 +355,8 @@ class PrefillProblem:
         context_lens: Optional[torch.Tensor],
         **scalars,
     ) -> PrefillProblem:
-        """The problem described by plain tensors and scalars: the one builder behind the drop-in
-        signatures and the custom operators (``context_lens`` None: derived, see :class:`BatchMetadata`).
+        """The problem described by plain tensors and scalars: the drop-in signatures' and the custom operators'
+        way to :meth:`build` (``context_lens`` None: derived, see :class:`BatchMetadata`).
 
         ``scalars`` are the options held by the cache, the batch and the attention options
         (:data:`pagedprefill.options.OPTIONS` held by ``"cache"``, ``"batch"`` or ``"options"``: ``layout``,
@@ -338,17 +368,16 @@ class PrefillProblem:
         if not _HELD_NAMES.issuperset(scalars):
             raise TypeError(f"from_tensors: unexpected arguments {sorted(set(scalars) - _HELD_NAMES)}; expected "
                             f"options held by the cache, the batch or AttentionOptions (pagedprefill.options.OPTIONS)")
-        given = scalars.get
-        cache_fields = {attribute: given(name, default) for name, attribute, default in _CACHE_FIELDS}
+        take = scalars.pop  # what the cache and the batch hold leaves the attention options in ``scalars``
+        cache_fields = {attribute: take(name, default) for name, attribute, default in _CACHE_FIELDS}
         if cache_fields["layout"] is None:
             split = isinstance(k_cache, torch.Tensor) and k_cache.dim() == 5
             cache_fields["layout"] = KVLayout.SPLIT if split else KVLayout.NHD
         cache = PagedKVCache(k_cache, v_cache, **cache_fields)
         batch = BatchMetadata(query_start=query_start, seq_lens=seq_lens, context_lens=context_lens,
                               block_table=block_table,
-                              **{attribute: given(name, default) for name, attribute, default in _BATCH_FIELDS})
-        options = AttentionOptions(**{attribute: given(name, default) for name, attribute, default in _OPTION_FIELDS})
-        return cls(q=q, k=k, v=v, out=out, cache=cache, batch=batch, options=options)
+                              **{attribute: take(name, default) for name, attribute, default in _BATCH_FIELDS})
+        return cls.build(q, k, v, out, cache, batch, **scalars)
 
     @property
     def kv_in_cache(self) -> bool:

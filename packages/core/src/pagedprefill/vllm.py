@@ -40,7 +40,8 @@ from typing import Optional
 
 import torch
 
-from .api import BackendChoice, _dispatch_or_record, _drop_in_window
+from .calls import dispatch_or_record, drop_in_window
+from .runtime import BackendChoice
 from .types import PrefillProblem, ScaleLike
 from .validation import VLLM_NAMES, ValidateMode, dtype_name
 
@@ -121,7 +122,7 @@ def context_attention_fwd(
         q, k, v, o, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, None,
         kv_cache_dtype=_cache_dtype(kv_cache_dtype, k_cache), k_scale=k_scale, v_scale=v_scale,
         max_query_len=max_input_len, sm_scale=sm_scale, alibi_slopes=alibi_slopes,
-        sliding_window=_drop_in_window(sliding_window), softcap=softcap, sinks=sinks, causal=causal,
+        sliding_window=drop_in_window(sliding_window), softcap=softcap, sinks=sinks, causal=causal,
         skip_decode=skip_decode, fp8_out_scale=fp8_out_scale, q_scale=q_scale)
-    _dispatch_or_record(problem, backend, validate, VLLM_NAMES)
+    dispatch_or_record(problem, backend, validate, VLLM_NAMES)
     return None
