@@ -48,6 +48,7 @@ def program_tile(program, num_programs, HEAVY_FIRST: tl.constexpr):
     Programs start in index order. In index order each takes the tile of its own index; under ``HEAVY_FIRST``
     the order is reversed, so each sequence's last tiles (the most keys under a causal mask) go first and the
     lightest ones fill the end of the launch. Either way every tile is taken by exactly one program.
+    :func:`pagedprefill.tiling.launch_order` is the host's account of the same order.
     """
     tile = program
     if HEAVY_FIRST:
