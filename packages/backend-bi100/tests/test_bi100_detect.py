@@ -22,14 +22,6 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="Triton is not installed: the described device would have no Triton target")
 
 
-@pytest.fixture
-def gpu_env(monkeypatch):
-    """Detection and selection as on a GPU machine: no interpreter, no override, no forced backend."""
-    for name in ("TRITON_INTERPRET", "PAGEDPREFILL_VENDOR", pagedprefill.ENV_BACKEND):
-        monkeypatch.delenv(name, raising=False)
-    return monkeypatch
-
-
 @needs_triton
 @pytest.mark.parametrize(("name", "capability", "smem"), [("Iluvatar BI-V100", (7, 0), 48 * KiB),
                                                           ("Iluvatar BI-V150", (7, 1), 128 * KiB),

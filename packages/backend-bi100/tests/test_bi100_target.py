@@ -10,6 +10,8 @@ import pytest
 from pagedprefill.testing.described import described_device
 
 SCRIPT = Path(__file__).resolve().parents[3] / "ci" / "detect_target.py"
+# Every test asks as on a GPU machine (pagedprefill's pytest plugin: no interpreter, no forced vendor or backend).
+pytestmark = pytest.mark.usefixtures("gpu_env")
 
 
 @pytest.fixture(scope="module")
@@ -22,12 +24,6 @@ def detect_target():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.main
-
-
-@pytest.fixture(autouse=True)
-def gpu_env(monkeypatch):
-    for name in ("TRITON_INTERPRET", "PAGEDPREFILL_VENDOR", "PAGEDPREFILL_BACKEND"):
-        monkeypatch.delenv(name, raising=False)
 
 
 def test_present_on_an_iluvatar_part(detect_target, capsys):

@@ -15,13 +15,6 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="Triton is not installed: the described device would have no Triton target")
 
 
-@pytest.fixture
-def gpu_env(monkeypatch):
-    for name in ("TRITON_INTERPRET", "PAGEDPREFILL_VENDOR", pagedprefill.ENV_BACKEND):
-        monkeypatch.delenv(name, raising=False)
-    return monkeypatch
-
-
 @needs_triton
 def test_a_metax_part_is_named_and_runs_generic(gpu_env):
     with described_device("cuda", name="MetaX C500", capability=(8, 0), num_sms=104, triton_backend="cuda",

@@ -5,7 +5,10 @@ Its results are checked on an sm90 GPU by ``test_sm80_hopper_conformance.py``: G
 Triton's CPU interpreter.
 """
 
+import ast
 import dataclasses
+import importlib.util
+from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -197,6 +200,25 @@ def kernel_parameters() -> dict:
     tensors, scalars = len(call.tensors), len(call.scalars)
     return {"parameters": names, "tensors": names[:tensors], "scalars": names[tensors:tensors + scalars],
             "constexprs": list(call.constexprs)}
+
+
+def test_the_kernel_takes_its_tile_in_cores_order():
+    """Each program's query tile is core's ``program_tile`` of its index under the schedule's ``HEAVY_FIRST``,
+    handed as it is to ``tile_sequence``: the order that core's ``test_launch_order.py`` runs in Triton's
+    interpreter and checks takes every query tile of every sequence once (Gluon kernels do not run there)."""
+    path = importlib.util.find_spec("pagedprefill_sm80.hopper.kernel").origin
+    tree = ast.parse(Path(path).read_text())
+    kernel = next(node for node in ast.walk(tree)
+                  if isinstance(node, ast.FunctionDef) and node.name == "hopper_prefill_kernel")
+    calls = [node for node in ast.walk(kernel) if isinstance(node, ast.Call)]
+    order = [ast.unparse(c) for c in calls if ast.unparse(c.func) == "program_tile"]
+    assert order == ["program_tile(gl.program_id(0), gl.num_programs(0), SCHEDULE.HEAVY_FIRST)"], order
+    located = [ast.unparse(c.args[0]) for c in calls if ast.unparse(c.func) == "tile_sequence"]
+    assert located == ["tile"], located
+    written = [ast.unparse(node) for node in ast.walk(kernel) if isinstance(node, (ast.Assign, ast.AugAssign))
+               and "tile" in {target.id for target in ast.walk(node) if isinstance(target, ast.Name)
+                              and isinstance(target.ctx, ast.Store)}]
+    assert written == [f"tile = {order[0]}"], written
 
 
 def test_every_routes_register_split_fits_the_sm():

@@ -25,6 +25,7 @@ import pytest
 import torch
 from pagedprefill import ops
 from pagedprefill.testing import BatchSpec, make_problem
+from pagedprefill.testing.models import AttentionBlock, block_inputs
 
 OPS = torch.ops.pagedprefill
 
@@ -174,69 +175,6 @@ def test_import_registers_ops_without_triton():
 
 
 # -- torch.compile ---------------------------------------------------------------------------------------------
-class AttentionBlock(torch.nn.Module):
-    """Hidden states -> q/k/v -> paged prefix-prefill attention -> output projection.
-
-    ``mode``: ``"op"`` calls the functional operator, ``"op_"`` the in-place one, ``"api"`` the Python API
-    (the eager reference path).
-    """
-
-    def __init__(self, spec: BatchSpec, hidden: int = 48, mode: str = "op", backend: str = "reference"):
-        super().__init__()
-        self.spec, self.mode, self.backend = spec, mode, backend
-        H, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_size
-        gen = torch.Generator().manual_seed(spec.seed + 100)
-        self.qkv = torch.nn.Linear(hidden, (H + 2 * Hkv) * D, dtype=spec.dtype)
-        self.proj = torch.nn.Linear(H * D, hidden, dtype=spec.dtype)
-        with torch.no_grad():
-            for w in (self.qkv.weight, self.proj.weight):
-                w.copy_(torch.randn(w.shape, generator=gen) / w.shape[1] ** 0.5)
-        self.register_buffer("alibi_slopes", torch.rand(H, generator=gen) * 0.5 if spec.alibi else None)
-        self.register_buffer("sinks", torch.randn(H, generator=gen) if spec.sinks else None)
-
-    def forward(self, x, k_cache, v_cache, block_table, query_start, seq_lens, context_lens, k_scale, v_scale):
-        s = self.spec
-        T = x.shape[0]
-        q, k, v = self.qkv(x).split([s.num_heads * s.head_size, s.num_kv_heads * s.head_size,
-                                     s.num_kv_heads * s.head_size], dim=-1)
-        q = q.reshape(T, s.num_heads, s.head_size)
-        k = k.reshape(T, s.num_kv_heads, s.head_size)
-        v = v.reshape(T, s.num_kv_heads, s.head_size)
-        if self.mode == "api":
-            cache = pp.PagedKVCache(k_cache, v_cache, s.layout, s.kv_cache_dtype, k_scale, v_scale)
-            batch = pp.BatchMetadata(query_start, seq_lens, context_lens, block_table)
-            attn = pp.prefill_attention(q, k, v, cache, batch, sm_scale=s.sm_scale, alibi_slopes=self.alibi_slopes,
-                                        sliding_window=s.sliding_window, softcap=s.softcap, sinks=self.sinks,
-                                        backend=self.backend or None)
-        else:
-            tensors = (k_cache, v_cache, block_table, query_start, seq_lens, context_lens)
-            options = dict(layout=s.layout, kv_cache_dtype=s.kv_cache_dtype, k_scale_tensor=k_scale,
-                           v_scale_tensor=v_scale, sm_scale=s.sm_scale or 0.0, sliding_window=s.sliding_window or 0,
-                           softcap=s.softcap, alibi_slopes=self.alibi_slopes, sinks=self.sinks, backend=self.backend)
-            if self.mode == "op":
-                attn = OPS.prefill_attention(q, k, v, *tensors, **options)
-            else:
-                attn = torch.empty_like(q)
-                OPS.prefill_attention_(q, k, v, attn, *tensors, **options)
-        return self.proj(attn.reshape(T, s.num_heads * s.head_size))
-
-
-def block_inputs(spec: BatchSpec, hidden: int = 48) -> tuple:
-    """Random hidden states plus the cache and metadata of a random batch (scales as 1-element tensors)."""
-    p = make_problem(spec)
-    c, b = p.cache, p.batch
-    x = torch.randn(p.num_tokens, hidden, generator=torch.Generator().manual_seed(spec.seed + 200)).to(spec.dtype)
-    k_scale = c.k_scale if isinstance(c.k_scale, torch.Tensor) else torch.tensor([float(c.k_scale)])
-    v_scale = c.v_scale if isinstance(c.v_scale, torch.Tensor) else torch.tensor([float(c.v_scale)])
-    return x, c.key, c.value, b.block_table, b.query_start, b.seq_lens, b.context_lens, k_scale, v_scale
-
-
-def eager_twin(block: AttentionBlock) -> AttentionBlock:
-    twin = AttentionBlock(block.spec, mode="api", backend=block.backend)
-    twin.load_state_dict(block.state_dict())
-    return twin
-
-
 COMPILE_SPEC = BatchSpec(layout="split", kv_cache_dtype="fp8", scale_as_tensor=True, alibi=True, sliding_window=11,
                          softcap=6.0, sinks=True, dtype=torch.float32, seed=11)
 
@@ -252,10 +190,10 @@ def _fresh_dynamo():
 @pytest.mark.parametrize("layout", ["split", "nhd"])
 def test_compiled_block_matches_eager(mode, layout):
     spec = COMPILE_SPEC.replace(layout=layout)
-    block = AttentionBlock(spec, mode=mode)
+    block = AttentionBlock(spec, mode=mode, backend="reference")
     inputs = block_inputs(spec)
     with torch.no_grad():
-        expected = eager_twin(block)(*inputs)
+        expected = block.eager_twin()(*inputs)
         compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
         got = compiled(*inputs)
     assert_real_output(got, expected)
@@ -263,7 +201,7 @@ def test_compiled_block_matches_eager(mode, layout):
 
 
 def test_no_graph_break():
-    block = AttentionBlock(COMPILE_SPEC)
+    block = AttentionBlock(COMPILE_SPEC, backend="reference")
     inputs = block_inputs(COMPILE_SPEC)
     with torch.no_grad():
         explained = torch._dynamo.explain(block)(*inputs)
@@ -293,10 +231,10 @@ def test_compiled_dynamic_shapes_one_graph():
 
     spec_a = COMPILE_SPEC.replace(layout="nhd")
     spec_b = spec_a.replace(query_lens=(3, 20, 2, 7), context_lens=(0, 12, 41, 5), seed=12)
-    block = AttentionBlock(spec_a)
+    block = AttentionBlock(spec_a, backend="reference")
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(block, fullgraph=True, backend=counter, dynamic=True)
-    twin = eager_twin(block)
+    twin = block.eager_twin()
     compiles = []
     with torch.no_grad():
         for spec in (spec_a, spec_b):
@@ -323,10 +261,10 @@ def test_compile_reports_bad_shapes_at_trace_time():
 
 def test_compiled_block_inductor_cpu():
     spec = dataclasses.replace(COMPILE_SPEC, layout="nhd", dtype=torch.float32)
-    block = AttentionBlock(spec)
+    block = AttentionBlock(spec, backend="reference")
     inputs = block_inputs(spec)
     with torch.no_grad():
-        expected = eager_twin(block)(*inputs)
+        expected = block.eager_twin()(*inputs)
         got = torch.compile(block, fullgraph=True, backend="inductor")(*inputs)
     assert_real_output(got, expected)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

@@ -21,6 +21,8 @@ reports for compiled kernels.
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Optional, Protocol, runtime_checkable
 
@@ -279,7 +281,48 @@ def launch_grid(shape: ProblemShape, config: TileConfig) -> tuple[int, int, int]
     ``config`` is :func:`settle`d for the shape (at most ``group_size`` packed heads).
     """
     chunks = -(-shape.group_size // config.heads_per_tile)
-    return shape.num_tokens // config.tokens_per_tile + shape.num_seqs, shape.num_kv_heads * chunks, config.key_splits
+    tiles = query_tile_programs(shape.num_tokens, shape.num_seqs, config.tokens_per_tile)
+    return tiles, shape.num_kv_heads * chunks, config.key_splits
+
+
+def query_tile_programs(num_tokens: int, num_seqs: int, tokens_per_tile: int) -> int:
+    """Programs along a launch's first axis (its query tiles) for ``num_tokens`` new tokens of ``num_seqs``
+    sequences in tiles of ``tokens_per_tile`` tokens (see :func:`launch_grid`)."""
+    return num_tokens // tokens_per_tile + num_seqs
+
+
+def launch_order(query_lens: Sequence[int], tokens_per_tile: int, heavy_first: bool = False,
+                 skip_decode: bool = False) -> list[Optional[tuple[int, int]]]:
+    """What each program along a launch's first axis takes, in program order: ``(sequence, first token of its
+    query tile within the sequence)``, or None where the program has nothing to compute.
+
+    The host's account of the kernels' building blocks :func:`~pagedprefill.triton.blocks.program_tile` (index
+    order, reversed under ``heavy_first``) and :func:`~pagedprefill.triton.blocks.tile_sequence`, for new tokens
+    packed in sequence order, ``query_lens[s]`` of sequence ``s``. Sequence ``s`` owns the tiles from
+    ``start[s] // tokens_per_tile + s`` up to the next sequence's first: its ``ceil(query_lens[s] /
+    tokens_per_tile)`` query tiles and at most one more (the last sequence, every tile left in the grid). Those
+    past its tokens have nothing to compute, nor, under ``skip_decode``, those of a single-token (decode)
+    sequence. The contexts do not change the order. Every query tile of every sequence is taken by exactly one
+    program.
+    """
+    if tokens_per_tile < 1:
+        raise ValueError(f"tokens_per_tile: expected >= 1, got {tokens_per_tile}")
+    starts = [0]
+    for length in query_lens:
+        if length < 0:
+            raise ValueError(f"query_lens: expected lengths >= 0, got {list(query_lens)}")
+        starts.append(starts[-1] + length)
+    firsts = [start // tokens_per_tile + seq for seq, start in enumerate(starts[:-1])]
+    programs = query_tile_programs(starts[-1], len(firsts), tokens_per_tile)
+    order: list[Optional[tuple[int, int]]] = []
+    for program in range(programs):
+        tile = programs - 1 - program if heavy_first else program
+        seq = bisect.bisect_right(firsts, tile) - 1
+        tok0 = (tile - firsts[seq]) * tokens_per_tile
+        length = query_lens[seq]
+        done = tok0 >= length or (skip_decode and length == 1)
+        order.append(None if done else (seq, tok0))
+    return order
 
 
 #: Most programs that may share one query tile's keys (:attr:`TileConfig.key_splits`).

@@ -15,6 +15,7 @@ import pytest
 import torch
 from pagedprefill import ops
 from pagedprefill.testing import DEFAULT_TOLERANCES, BatchSpec, make_problem
+from pagedprefill.testing.models import AttentionBlock, block_inputs
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
@@ -96,63 +97,18 @@ def test_ops_equal_python_api(case, triton_backend):
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-class AttentionBlock(torch.nn.Module):
-    """Hidden states -> q/k/v -> paged attention -> output projection; ``mode`` "op", "op_" or "api"."""
-
-    def __init__(self, spec: BatchSpec, hidden: int = 256, mode: str = "op"):
-        super().__init__()
-        self.spec, self.mode = spec, mode
-        H, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_size
-        gen = torch.Generator().manual_seed(spec.seed + 100)
-        self.qkv = torch.nn.Linear(hidden, (H + 2 * Hkv) * D, dtype=spec.dtype, device=DEVICE)
-        self.proj = torch.nn.Linear(H * D, hidden, dtype=spec.dtype, device=DEVICE)
-        with torch.no_grad():
-            for w in (self.qkv.weight, self.proj.weight):
-                w.copy_(torch.randn(w.shape, generator=gen) / w.shape[1] ** 0.5)
-        slopes = (torch.rand(H, generator=gen) * 0.5).to(DEVICE) if spec.alibi else None
-        self.register_buffer("alibi_slopes", slopes)
-        self.register_buffer("sinks", torch.randn(H, generator=gen).to(DEVICE) if spec.sinks else None)
-
-    def forward(self, x, k_cache, v_cache, block_table, query_start, seq_lens, context_lens, k_scale, v_scale):
-        s = self.spec
-        T = x.shape[0]
-        q, k, v = self.qkv(x).split([s.num_heads * s.head_size, s.num_kv_heads * s.head_size,
-                                     s.num_kv_heads * s.head_size], dim=-1)
-        q = q.reshape(T, s.num_heads, s.head_size)
-        k = k.reshape(T, s.num_kv_heads, s.head_size)
-        v = v.reshape(T, s.num_kv_heads, s.head_size)
-        if self.mode == "api":
-            cache = pp.PagedKVCache(k_cache, v_cache, s.layout, s.kv_cache_dtype, k_scale, v_scale)
-            batch = pp.BatchMetadata(query_start, seq_lens, context_lens, block_table)
-            attn = pp.prefill_attention(q, k, v, cache, batch, sm_scale=s.sm_scale, alibi_slopes=self.alibi_slopes,
-                                        sliding_window=s.sliding_window, softcap=s.softcap, sinks=self.sinks)
-        else:
-            tensors = (k_cache, v_cache, block_table, query_start, seq_lens, context_lens)
-            options = dict(layout=s.layout, kv_cache_dtype=s.kv_cache_dtype, k_scale_tensor=k_scale,
-                           v_scale_tensor=v_scale, sm_scale=s.sm_scale or 0.0, sliding_window=s.sliding_window or 0,
-                           softcap=s.softcap, alibi_slopes=self.alibi_slopes, sinks=self.sinks)
-            if self.mode == "op":
-                attn = OPS.prefill_attention(q, k, v, *tensors, **options)
-            else:
-                attn = torch.empty_like(q)
-                OPS.prefill_attention_(q, k, v, attn, *tensors, **options)
-        return self.proj(attn.reshape(T, s.num_heads * s.head_size))
+#: The model's width on the GPU (the CPU's tests keep the block's default of 48).
+HIDDEN = 256
 
 
-def block_inputs(spec: BatchSpec, hidden: int = 256, seed: int = 0) -> tuple:
-    p = make_problem(spec, DEVICE)
-    c, b = p.cache, p.batch
-    gen = torch.Generator().manual_seed(spec.seed + 200 + seed)
-    x = torch.randn(p.num_tokens, hidden, generator=gen).to(DEVICE, spec.dtype)
-    k_scale = c.k_scale if isinstance(c.k_scale, torch.Tensor) else torch.tensor([float(c.k_scale)], device=DEVICE)
-    v_scale = c.v_scale if isinstance(c.v_scale, torch.Tensor) else torch.tensor([float(c.v_scale)], device=DEVICE)
-    return x, c.key, c.value, b.block_table, b.query_start, b.seq_lens, b.context_lens, k_scale, v_scale
+def model(spec: BatchSpec, mode: str = "op") -> AttentionBlock:
+    """The attention block on the GPU, with the backend selected for it."""
+    return AttentionBlock(spec, HIDDEN, mode=mode, device=DEVICE)
 
 
-def eager_twin(block: AttentionBlock) -> AttentionBlock:
-    twin = AttentionBlock(block.spec, mode="api")
-    twin.load_state_dict(block.state_dict())
-    return twin
+def model_inputs(spec: BatchSpec, seed: int = 0) -> tuple:
+    """The block's inputs on the GPU (``seed``: other hidden states for the same batch)."""
+    return block_inputs(spec, HIDDEN, DEVICE, seed)
 
 
 MODEL_SPEC = BatchSpec(layout="split", kv_cache_dtype="fp8", scale_as_tensor=True, alibi=True, sliding_window=48,
@@ -162,20 +118,20 @@ MODEL_SPEC = BatchSpec(layout="split", kv_cache_dtype="fp8", scale_as_tensor=Tru
 
 @pytest.mark.parametrize("mode", ["op", "op_"])
 def test_compiled_block_inductor(mode):
-    block = AttentionBlock(MODEL_SPEC, mode=mode)
-    inputs = block_inputs(MODEL_SPEC)
+    block = model(MODEL_SPEC, mode=mode)
+    inputs = model_inputs(MODEL_SPEC)
     atol, rtol = MODEL_TOLERANCES[MODEL_SPEC.dtype]
     with torch.no_grad():
-        expected = eager_twin(block)(*inputs)
+        expected = block.eager_twin()(*inputs)
         got = torch.compile(block, fullgraph=True, backend="inductor")(*inputs)
     assert_real_output(got, expected)
     torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
 
 
 def test_no_graph_break():
-    block = AttentionBlock(MODEL_SPEC)
+    block = model(MODEL_SPEC)
     with torch.no_grad():
-        explained = torch._dynamo.explain(block)(*block_inputs(MODEL_SPEC))
+        explained = torch._dynamo.explain(block)(*model_inputs(MODEL_SPEC))
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
 
@@ -183,13 +139,13 @@ def test_no_graph_break():
 def test_compiled_dynamic_shapes():
     """One compiled model on batches of other token and sequence counts (``dynamic=True``)."""
     spec_b = MODEL_SPEC.replace(query_lens=(3, 120, 9), context_lens=(64, 0, 333), seed=22)
-    block = AttentionBlock(MODEL_SPEC)
+    block = model(MODEL_SPEC)
     compiled = torch.compile(block, fullgraph=True, backend="inductor", dynamic=True)
-    twin = eager_twin(block)
+    twin = block.eager_twin()
     atol, rtol = MODEL_TOLERANCES[MODEL_SPEC.dtype]
     with torch.no_grad():
         for spec in (MODEL_SPEC, spec_b):
-            inputs = block_inputs(spec)
+            inputs = model_inputs(spec)
             got = compiled(*inputs)
             assert_real_output(got, inputs[0])
             torch.testing.assert_close(got, twin(*inputs), atol=atol, rtol=rtol)
@@ -229,13 +185,13 @@ def test_reduce_overhead_mode():
     from torch._dynamo.utils import counters
 
     counters.clear()
-    block = AttentionBlock(MODEL_SPEC)
-    twin = eager_twin(block)
+    block = model(MODEL_SPEC)
+    twin = block.eager_twin()
     compiled = torch.compile(block, fullgraph=True, mode="reduce-overhead")
     atol, rtol = MODEL_TOLERANCES[MODEL_SPEC.dtype]
     with torch.no_grad():
         for step in range(4):
-            inputs = block_inputs(MODEL_SPEC, seed=step)
+            inputs = model_inputs(MODEL_SPEC, seed=step)
             got = compiled(*inputs).clone()
             assert_real_output(got, inputs[0])
             torch.testing.assert_close(got, twin(*inputs), atol=atol, rtol=rtol)

@@ -10,19 +10,20 @@ module of its own:
 * the **consumers** (:mod:`.consumer`): one or two warpgroups running the MMAs and the online softmax, and the
   **epilogue** (:mod:`.epilogue`) that stores their rows.
 
-This module composes them: it finds the tile's sequence and rows (core's tile schedule, heaviest tiles first
-under ``HEAVY_FIRST``), the key tiles it visits (core's :func:`~pagedprefill.triton.blocks.visible_keys`, cut
-into tiles), loads the Q tile, allocates the ring and its barriers, and starts the partitions. Arguments are
-core's groups and this kernel's own (:mod:`.arguments`); the partitions share :mod:`.state`'s aggregates. A head
-size that is not a power of two (96) runs on the next power of two, its boxes and copies reading the columns
-past the head as zeros.
+This module composes them: it finds the tile's sequence and rows (core's tile order and schedule,
+:func:`~pagedprefill.triton.blocks.program_tile` and :func:`~pagedprefill.triton.blocks.tile_sequence`: heaviest
+tiles first under ``HEAVY_FIRST``), the key tiles it visits (core's
+:func:`~pagedprefill.triton.blocks.visible_keys`, cut into tiles), loads the Q tile, allocates the ring and its
+barriers, and starts the partitions. Arguments are core's groups and this kernel's own (:mod:`.arguments`); the
+partitions share :mod:`.state`'s aggregates. A head size that is not a power of two (96) runs on the next power of
+two, its boxes and copies reading the columns past the head as zeros.
 
 Every TMA box is bounds-checked by the hardware against the tensor it was described on, table columns and block
 numbers are clamped, and query rows outside ``q`` are masked, so inconsistent metadata cannot read or write
 outside the caller's tensors.
 """
 
-from pagedprefill.triton.blocks import split_tiles, tile_rows, tile_sequence, visible_keys
+from pagedprefill.triton.blocks import program_tile, split_tiles, tile_rows, tile_sequence, visible_keys
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
@@ -173,11 +174,7 @@ def hopper_prefill_kernel(
     cfg = KernelConfig(TILE, LAYOUT, FEATURES, SCALE_FROM_TENSOR, SCHEDULE)
     HEAD_SIZE: gl.constexpr = LAYOUT.HEAD_SIZE
     BLOCK_M: gl.constexpr = TILE.BLOCK_M
-    tile = gl.program_id(0)
-    if SCHEDULE.HEAVY_FIRST:
-        # Programs start in index order: the last tiles of each sequence (the most keys under a causal mask)
-        # go first, so the lightest ones fill the end of the launch.
-        tile = gl.num_programs(0) - 1 - tile
+    tile = program_tile(gl.program_id(0), gl.num_programs(0), SCHEDULE.HEAVY_FIRST)
     seq, tok0, seq_row0, ctx_len, q_len, done = tile_sequence(tile, batch[0], batch[1], batch[2], extents.num_seqs,
                                                               cfg.TOKENS_PER_TILE, FEATURES.SKIP_DECODE,
                                                               FEATURES.CONTEXT_FROM_STARTS)

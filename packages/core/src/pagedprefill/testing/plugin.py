@@ -1,11 +1,14 @@
 """pytest plugin (entry point ``pytest11``): options and fixtures of the conformance suite, its longest tests
-ordered first, and a filter for the one warning Triton's CPU interpreter floods test output with."""
+ordered first, a fixture that clears the variables steering detection and selection (:func:`gpu_env`), and a
+filter for the one warning Triton's CPU interpreter floods test output with."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from ..device import ENV_VENDOR
+from ..registry import ENV_BACKEND
 from ..workloads import BatchSpec, make_problem
 
 #: Triton's CPU interpreter converts 1-element numpy arrays to ints in a way NumPy >= 1.25 deprecates, once
@@ -151,6 +154,20 @@ def terminal_line(request):
             reporter.flush()
 
     return write
+
+
+#: What a test under :func:`gpu_env` runs without: the interpreter, a forced vendor and a forced backend.
+GPU_ENV_UNSET = ("TRITON_INTERPRET", ENV_VENDOR, ENV_BACKEND)
+
+
+@pytest.fixture
+def gpu_env(monkeypatch):
+    """Device detection and backend selection as on a GPU machine: the variables of :data:`GPU_ENV_UNSET`
+    (``TRITON_INTERPRET``, ``PAGEDPREFILL_VENDOR``, ``PAGEDPREFILL_BACKEND``) are unset for the test. Returns
+    ``monkeypatch``, for the test's own changes (undone with these when it ends)."""
+    for name in GPU_ENV_UNSET:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
 
 
 @pytest.fixture

@@ -41,6 +41,22 @@ def widen_query(q, QUERY_WIDENED_TO: tl.constexpr):
 
 
 @triton.jit
+def program_tile(program, num_programs, HEAVY_FIRST: tl.constexpr):
+    """The query tile (the flat index :func:`tile_sequence` reads) that program ``program`` of the launch's
+    ``num_programs`` along its first axis takes.
+
+    Programs start in index order. In index order each takes the tile of its own index; under ``HEAVY_FIRST``
+    the order is reversed, so each sequence's last tiles (the most keys under a causal mask) go first and the
+    lightest ones fill the end of the launch. Either way every tile is taken by exactly one program.
+    :func:`pagedprefill.tiling.launch_order` is the host's account of the same order.
+    """
+    tile = program
+    if HEAVY_FIRST:
+        tile = num_programs - 1 - program
+    return tile
+
+
+@triton.jit
 def locate_tile(tile, query_start_ptr, num_seqs, TOKENS_PER_TILE: tl.constexpr):
     """Map a flat tile index to (sequence, first token of the tile within the sequence).
 
