@@ -1,47 +1,12 @@
 """The Hopper kernel's schedule: which variant of its loops a call compiles to, and whether a call fits it.
 
 Triton-free, so that the policy (which decides) and the launcher (which executes) both import it without
-importing each other or Triton. A schedule is a set of named flags (:data:`DEFAULTS`), updated per route by
-:func:`route_flags` and resolved for one call's shape and tile by :func:`resolve`; the launch passes the
-resolved flags to the kernel as one constexpr (:class:`Schedule`), and the shared-memory model
-(:func:`shared_bytes`) and the fit checks (:func:`shape_unfit_reason`) read the same resolution.
-
-The flags, each measured on the H200 against the schedule without it (docs/performance.md, "What was tried",
-has the figures of these and of the variants that lost and were removed):
-
-* ``HEAVY_FIRST``: each sequence's last query tiles (the most keys under a causal mask) go first.
-* ``PINGPONG``: each of the two consumer warpgroups is a partition of its own with half of the tile's rows, so
-  that one's softmax runs under the other's MMAs (tiles of 8 warps).
-* ``IDLE_HALF`` (under ``PINGPONG``): the second consumer, when its half of the tile holds no query row (a
-  decode or speculative row's tile, a sequence's short last tile), runs no MMA and only hands each buffer back.
-  Decode rows in a padded tile of 128 rows are otherwise bound by MMAs on rows that do not exist, as long as
-  a prefill tile's: 1.10-1.14 x on the decode and speculative rows, 1.12 x on a mixed step; off where the
-  consumers' registers are full (256-key tiles, head size 96), where its branch spills.
-* ``WIDE_PRODUCER`` (split layout): a producer warpgroup instead of one warp shares the 16-byte copies of the
-  cached keys; always at head size 256, where one warp spills its copy addresses.
-* ``KEY_LOADS`` (split layout, 16-bit cache): a producer warpgroup reads the cached keys with 16-byte loads and
-  stores them (the L1 merges loads into one L2 request per 128-byte line; each asynchronous copy is a request
-  of its own); ``VALUES_FIRST`` issues a tile's value boxes before its keys are loaded, ``WIDE_KEY_CHUNKS``
-  loads 64 keys per chunk instead of 32 on tiles of more than 64 keys, ``EARLY_KEYS`` loads a tile's keys
-  before its buffer is free.
-* ``F32_WIDENING`` (FP8 cache, bfloat16 call): the producer widens FP8 tiles through float16 and float32
-  (packed conversions) instead of one scalar float16-to-bfloat16 conversion per element on the pipe the
-  softmax's exponentials take.
-* ``FP8_BOXES`` (split layout, FP8 cache, a head size that is a power of two): cached keys and values by
-  unswizzled TMA page boxes instead of 16-byte copies; ``WIDEN_TO_V`` widens the cached values into the V
-  ring, transposed, which frees the V^T ring's room for 128-key tiles.
-* ``FUSED_SCALE`` (no softcap, no ALiBi): each row's maximum on the raw scores, and each key's scale and
-  subtraction of the maximum as one fused multiply-add.
-* ``FP8_SCORES`` (an FP8 e4m3 query on an e4m3 cache holding every key, ``k = v = None``): ``Q K^T`` on FP8
-  warpgroup MMAs (twice the 16-bit rate), the query and the cached keys in shared memory as they are, so that
-  the producer widens only the values; ``P V`` stays 16-bit. Against the query widened as it is loaded: 1.26 x
-  (NHD) and 1.13 x (split) on the prefix-cached row, 1.10 x at head size 64, with the same error against a
-  float64 oracle (2.2-2.4e-3 relative L2 from 1k to 128k keys).
-* ``LAZY_RESCALE``: a row's running max moves only when a tile's maximum exceeds it by more than
-  :data:`~.consumer.RESCALE_GROWTH` (8 in log2 units), and a consumer rescales its accumulator only on tiles
-  where one of its rows' max moved (a vote of its rows); on the other tiles the 64 multiplies per thread are
-  skipped. On for the NHD layout (on the split layout the consumers spill with it); docs/backends/sm80.md says
-  what it was verified and measured with.
+importing each other or Triton. A schedule is a set of named flags, each a row of :data:`.flags.FLAGS` (its
+default, what it does, where it applies and the figure that decided it; docs/backends/sm80.md shows that table),
+updated per route by :func:`route_flags` and resolved for one call's shape and tile by :func:`resolve`, which
+applies the table's rules; the launch passes the resolved flags to the kernel as one constexpr
+(:class:`Schedule`), and the shared-memory model (:func:`shared_bytes`) and the fit checks
+(:func:`shape_unfit_reason`) read the same resolution.
 
 An FP8 cache is always widened by the producer warpgroup, once per tile, into the 16-bit ring both
 consumers read.
@@ -56,6 +21,8 @@ import torch
 from pagedprefill.tiling import ProblemShape, TileConfig
 from pagedprefill.types import KVCacheDType, KVLayout
 
+from .flags import DEFAULTS, WIDE_KEY_CHUNK, applied, key_chunk
+
 #: Head sizes the kernel is built for: powers of two (its register tensors need them), and in the NHD layout the
 #: sizes of :data:`PADDED_HEADS`.
 HEAD_SIZES = (64, 96, 128, 256)
@@ -67,18 +34,10 @@ MAX_ROWS = 2**31 - 1
 #: FP8 cache formats the kernel reads: widened to the input dtype exactly, scales folded.
 FP8_CACHES = (KVCacheDType.FP8_E4M3, KVCacheDType.FP8_E5M2)
 
-#: Every flag, with its value before a route's flags and the resolution apply.
-DEFAULTS = dict(HEAVY_FIRST=True, PINGPONG=True, IDLE_HALF=True, WIDE_PRODUCER=False, KEY_LOADS=False,
-                VALUES_FIRST=False, WIDE_KEY_CHUNKS=False, EARLY_KEYS=False, F32_WIDENING=True, FP8_BOXES=False,
-                WIDEN_TO_V=False, FUSED_SCALE=True, FP8_SCORES=True, LAZY_RESCALE=True)
-
 #: Schedule flags read from the environment at each bind (``"KEY_LOADS=1,EARLY_KEYS=0"``), over the route's
 #: flags and under a caller's own: for running a suite or the bench under a schedule that is not a route's
 #: choice. Plans bound before it changed keep the flags they were bound with.
 SCHEDULE_ENV = "PAGEDPREFILL_SM80_SCHEDULE"
-
-#: Keys per chunk of the producer's key loads (``KEY_LOADS``), and under ``WIDE_KEY_CHUNKS``.
-KEY_CHUNK, WIDE_KEY_CHUNK = 32, 64
 
 #: Head sizes at which the split layout's 16-bit cache is read by key loads with value boxes first on every
 #: tile ...
@@ -171,58 +130,9 @@ def from_environment() -> dict:
 def resolve(shape: ProblemShape, config: TileConfig, schedule: Optional[dict] = None) -> dict:
     """The flags calls of ``shape`` with ``config`` are compiled with: :data:`DEFAULTS` updated by
     :func:`route_flags`, then by :data:`SCHEDULE_ENV` and then by ``schedule``, less what does not apply to them
-    and plus what they always take."""
-    flags = {**DEFAULTS, **route_flags(shape, config.block_n), **from_environment(), **(schedule or {})}
-    split, fp8 = shape.layout is KVLayout.SPLIT, shape.kv_cache_dtype.is_fp8
-    # Two consumer partitions need two warpgroups' worth of rows.
-    flags["PINGPONG"] = bool(flags["PINGPONG"]) and config.num_warps == 8
-    # Not where the consumers' registers are full: on 256-key tiles (head size 64, NHD) the idle branch spills a
-    # register and cost the D64 row 2.7 %; at head size 96 it spills 16 bytes.
-    flags["IDLE_HALF"] = (bool(flags["IDLE_HALF"]) and flags["PINGPONG"] and config.block_n <= 128
-                          and shape.head_size not in PADDED_HEADS)
-    # Only the split layout's copies are shared among the producer's warps (NHD is all TMA, one thread issues);
-    # at head size 256 they take a warpgroup: one producer warp spills its copy addresses there.
-    flags["WIDE_PRODUCER"] = (bool(flags["WIDE_PRODUCER"]) or shape.head_size > 128) and split
-    # The producer warpgroup's loads take 32 keys at a time ...
-    flags["KEY_LOADS"] = bool(flags["KEY_LOADS"]) and split and config.block_n >= 32
-    # ... and their tiles' value boxes first, where there are boxes (an FP8 cache's values are copies) ...
-    flags["VALUES_FIRST"] = bool(flags["VALUES_FIRST"]) and flags["KEY_LOADS"] and not fp8
-    # ... and 64 at a time where a tile holds more than one such chunk (a 16-bit cache: the FP8 producer's
-    # registers also hold the widening) ...
-    flags["WIDE_KEY_CHUNKS"] = (bool(flags["WIDE_KEY_CHUNKS"]) and flags["KEY_LOADS"] and not fp8
-                                and config.block_n > WIDE_KEY_CHUNK)
-    # ... and loaded before their buffer is free, where the tile is one or two chunks (the registers the loads
-    # hold anyway); not FP8's, which the producer widens through its own ring.
-    flags["EARLY_KEYS"] = (bool(flags["EARLY_KEYS"]) and flags["KEY_LOADS"] and not fp8
-                           and config.block_n <= 2 * key_chunk(flags))
-    # Through float32 where the producer widens FP8 tiles to bfloat16 (to float16 it is one packed conversion).
-    flags["F32_WIDENING"] = bool(flags["F32_WIDENING"]) and fp8 and shape.dtype == torch.bfloat16
-    # Page boxes for the split layout's FP8 cache at head sizes that fill the tile (a padded head's columns past
-    # it would need zeros written).
-    flags["FP8_BOXES"] = bool(flags["FP8_BOXES"]) and split and fp8 and shape.head_size not in PADDED_HEADS
-    flags["WIDEN_TO_V"] = bool(flags["WIDEN_TO_V"]) and split and fp8
-    flags["FUSED_SCALE"] = bool(flags["FUSED_SCALE"])
-    flags["FP8_SCORES"] = bool(flags["FP8_SCORES"]) and fp8_scores_fit(shape)
-    flags["HEAVY_FIRST"] = bool(flags["HEAVY_FIRST"])
-    # NHD only: with the split layout's copy addresses beside them the consumers spill on its vote (alibi 56
-    # bytes, a window 24, softcap 20 on the policy's tiles; 4 on 256-key tiles).
-    flags["LAZY_RESCALE"] = bool(flags["LAZY_RESCALE"]) and not split
-    return flags
-
-
-def fp8_scores_fit(shape: ProblemShape) -> bool:
-    """Whether calls of ``shape`` can take ``FP8_SCORES``: an FP8 query (e4m3) and an e4m3 cache holding every key
-    (``k = v = None``: a new token's 16-bit key would need a 16-bit query), at a head size that fills the tile (a
-    padded head's boxes are 16-bit only)."""
-    return (shape.fp8_query and shape.kv_in_cache and shape.kv_cache_dtype is KVCacheDType.FP8_E4M3
-            and shape.head_size not in PADDED_HEADS)
-
-
-def key_chunk(flags: dict) -> int:
-    """Keys per chunk of the producer's key loads under resolved ``flags``: 0 without ``KEY_LOADS``."""
-    if not flags["KEY_LOADS"]:
-        return 0
-    return WIDE_KEY_CHUNK if flags["WIDE_KEY_CHUNKS"] else KEY_CHUNK
+    and plus what they always take (each flag's rule in :data:`.flags.FLAGS`)."""
+    asked = {**DEFAULTS, **route_flags(shape, config.block_n), **from_environment(), **(schedule or {})}
+    return applied(asked, shape, config)
 
 
 def partition_registers(flags: dict, split: bool, fp8: bool, num_warps: int) -> tuple[int, int]:
