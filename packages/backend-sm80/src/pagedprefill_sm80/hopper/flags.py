@@ -141,7 +141,7 @@ FLAGS: tuple[Flag, ...] = (
          "L2's tag lookups at 80% of peak), where loads are merged into one request per 128-byte line (80 "
          "registers per producer thread, 216 per consumer thread)",
          "the split layout's 16-bit cache: head sizes 128 and 256, and 64 and 96 on tiles of more than 64 keys "
-         "(`schedule.route_flags`); not with an FP8 cache, where the copies were faster (0.82 x)",
+         "(`schedule.SPLIT_ROUTES`); not with an FP8 cache, where the copies were faster (0.82 x)",
          "with `VALUES_FIRST`, 1.01-1.23 x the copies at head sizes 128 and 256",
          Where(layout=SPLIT, min_keys=KEY_CHUNK)),
     Flag("VALUES_FIRST", False,

@@ -2,11 +2,12 @@
 
 Triton-free, so that the policy (which decides) and the launcher (which executes) both import it without
 importing each other or Triton. A schedule is a set of named flags, each a row of :data:`.flags.FLAGS` (its
-default, what it does, where it applies and the figure that decided it; docs/backends/sm80.md shows that table),
-updated per route by :func:`route_flags` and resolved for one call's shape and tile by :func:`resolve`, which
-applies the table's rules; the launch passes the resolved flags to the kernel as one constexpr
-(:class:`Schedule`), and the shared-memory model (:func:`shared_bytes`) and the fit checks
-(:func:`shape_unfit_reason`) read the same resolution.
+default, what it does, where it applies and the figure that decided it; docs/backends/sm80.md shows that table).
+The policy sets some per route (:data:`SPLIT_ROUTES`, read by :func:`route_flags`), and :func:`resolve` applies
+the table's rules for one call's shape and tile; the launch passes the resolved flags to the kernel as one
+constexpr (:class:`Schedule`, with the producer's warps and the partitions' registers from :data:`PARTITIONS`),
+and the shared-memory model (:func:`shared_bytes`) and the fit checks (:func:`shape_unfit_reason`) read the same
+resolution.
 
 An FP8 cache is always widened by the producer warpgroup, once per tile, into the 16-bit ring both
 consumers read.
@@ -21,7 +22,7 @@ import torch
 from pagedprefill.tiling import ProblemShape, TileConfig
 from pagedprefill.types import KVCacheDType, KVLayout
 
-from .flags import DEFAULTS, WIDE_KEY_CHUNK, applied, key_chunk
+from .flags import DEFAULTS, FLAGS, WIDE_KEY_CHUNK, applied, key_chunk
 
 #: Head sizes the kernel is built for: powers of two (its register tensors need them), and in the NHD layout the
 #: sizes of :data:`PADDED_HEADS`.
@@ -39,22 +40,76 @@ FP8_CACHES = (KVCacheDType.FP8_E4M3, KVCacheDType.FP8_E5M2)
 #: choice. Plans bound before it changed keep the flags they were bound with.
 SCHEDULE_ENV = "PAGEDPREFILL_SM80_SCHEDULE"
 
-#: Head sizes at which the split layout's 16-bit cache is read by key loads with value boxes first on every
-#: tile ...
-KEY_LOAD_HEAD_SIZES = (128, 256)
-#: ... and at which it is on tiles of more than 64 keys only, where the loads take 64 keys per chunk (32 keys
-#: per chunk were slower than the copies at these head sizes).
-WIDE_KEY_LOAD_HEAD_SIZES = (64, 96)
-#: Head sizes at which those key loads are issued before their tile's buffer is free (at head size 256, on
-#: 32-key tiles, that measured 0.985 x).
-EARLY_KEY_HEAD_SIZES = (64, 96, 128)
 
-#: Registers per thread (``setmaxnreg``) of the producer partition and of the consumers beside it, by what the
-#: producer holds: 128 producer threads and 256 consumer threads share the SM's 65,536.
-CONSUMER_REGS = 240
-WIDE_PRODUCER_REGS, WIDE_CONSUMER_REGS = 56, 224  # a quarter of the copy addresses per lane
-WIDENING_PRODUCER_REGS, WIDENING_CONSUMER_REGS = 80, 216  # a 16-byte slice of each tile it loads or widens
-WIDE_CHUNK_PRODUCER_REGS, WIDE_CHUNK_CONSUMER_REGS = 112, 200  # two 64-key chunks of key loads
+class SplitRoute(NamedTuple):
+    """The flags the policy sets on the split layout's calls of one cache kind (``"16-bit"`` or ``"fp8"``) and
+    head sizes, on tiles of more than :data:`WIDE_TILE` keys (``wide``) or of at most that many, and why."""
+
+    cache: str
+    head_sizes: tuple[int, ...]
+    wide: bool
+    flags: tuple[str, ...]
+    why: str
+
+
+#: Keys per tile above which a split route is ``wide``: two 64-key chunks of key loads, or 128 FP8 keys whose
+#: values fit the V ring.
+WIDE_TILE = WIDE_KEY_CHUNK
+
+#: The flags the policy sets, by route; the NHD layout takes none, and a split route not listed none either: the
+#: 16-bit cache at head sizes 64 and 96 on tiles of up to 64 keys keeps the copies (32-key chunks of key loads
+#: were 0.89 and 0.98 x), and so does an FP8 cache at head size 96 (its padded head's columns would need zeros
+#: written). Key loads are a 16-bit cache's only: with an FP8 cache the copies were faster (0.82 x).
+SPLIT_ROUTES: tuple[SplitRoute, ...] = (
+    SplitRoute("16-bit", (128,), False, ("KEY_LOADS", "VALUES_FIRST", "EARLY_KEYS"),
+               "key loads with value boxes first 1.01-1.23 x the copies; loaded early 1.03-1.09 x"),
+    SplitRoute("16-bit", (256,), False, ("KEY_LOADS", "VALUES_FIRST"),
+               "key loads with value boxes first 1.01-1.23 x the copies; loaded early 0.985 x on its 32-key tiles"),
+    SplitRoute("16-bit", (64, 96, 128), True, ("KEY_LOADS", "VALUES_FIRST", "WIDE_KEY_CHUNKS", "EARLY_KEYS"),
+               "64-key chunks 1.09-1.18 x on 128-key tiles, 1.12 and 1.18 x the copies at head sizes 64 and 96; "
+               "loaded early 1.03-1.09 x"),
+    SplitRoute("fp8", (64, 128), False, ("FP8_BOXES",), "page boxes 1.16 x the copies at head size 128, level at 64"),
+    SplitRoute("fp8", (64, 128), True, ("FP8_BOXES", "WIDEN_TO_V"),
+               "values widened into the V ring 1.03 x over 64-key tiles beside a V^T ring, 1.16 x at head size 64 "
+               "(0.94 x on 64-key tiles)"),
+)
+_ROUTE_FLAGS = {(route.cache, head_size, route.wide): route.flags for route in SPLIT_ROUTES
+                for head_size in route.head_sizes}
+
+
+class Partition(NamedTuple):
+    """The producer partition's warps and registers per thread, and the consumers' registers per thread beside it
+    (``setmaxnreg``): the producer's threads and two consumer warpgroups' share the SM's 65,536."""
+
+    producer_warps: int
+    producer_regs: int
+    consumer_regs: int
+
+
+#: The register split by what the producer holds (:func:`producer_holds`).
+PARTITIONS = {
+    "key chunks": Partition(4, 112, 200),  # two 64-key chunks of key loads (WIDE_KEY_CHUNKS)
+    "tile slices": Partition(4, 80, 216),  # a 16-byte slice of each tile it loads (KEY_LOADS) or widens (FP8)
+    "shared copies": Partition(4, 56, 224),  # a quarter of the split layout's copy addresses per lane
+    "copy addresses": Partition(1, 96, 240),  # one warp holding a tile of the split layout's 16-byte copy addresses
+    "boxes": Partition(1, 24, 240),  # one warp issuing TMA boxes
+}
+CONSUMER_REGS = PARTITIONS["boxes"].consumer_regs
+WIDE_PRODUCER_REGS, WIDE_CONSUMER_REGS = PARTITIONS["shared copies"][1:]
+WIDENING_PRODUCER_REGS, WIDENING_CONSUMER_REGS = PARTITIONS["tile slices"][1:]
+WIDE_CHUNK_PRODUCER_REGS, WIDE_CHUNK_CONSUMER_REGS = PARTITIONS["key chunks"][1:]
+
+
+def producer_holds(flags: dict, shape: ProblemShape, config: TileConfig) -> str:
+    """What the producer holds under resolved ``flags``, as :data:`PARTITIONS` names it: that decides its share of
+    the registers."""
+    if flags["WIDE_KEY_CHUNKS"]:
+        return "key chunks"
+    if shape.kv_cache_dtype.is_fp8 or flags["KEY_LOADS"]:
+        return "tile slices"
+    if flags["WIDE_PRODUCER"]:
+        return "shared copies"
+    return "copy addresses" if shape.layout is KVLayout.SPLIT and config.num_warps == 8 else "boxes"
 
 
 class Schedule(NamedTuple):
@@ -79,32 +134,13 @@ class Schedule(NamedTuple):
 
 
 def route_flags(shape: ProblemShape, block_n: int) -> dict:
-    """The flags the policy sets for calls of ``shape`` on tiles of ``block_n`` keys, over :data:`DEFAULTS`.
-
-    The split layout with a 16-bit cache reads its cached keys with a producer warpgroup's loads, value boxes
-    first (``KEY_LOADS``, ``VALUES_FIRST``): at head sizes 128 and 256 on every tile (1.01-1.23 x over the
-    16-byte copies), at 64 and 96 on tiles of more than 64 keys, 64 keys per chunk (``WIDE_KEY_CHUNKS``: 1.12 and
-    1.18 x, where 32 keys per chunk were 0.89 and 0.98 x); up to head size 128 loaded before the tile's buffer is
-    free (``EARLY_KEYS``: 1.03-1.09 x on the split rows). Not with an FP8 cache, where the copies were faster
-    (0.82 x): its keys and values come by page boxes (``FP8_BOXES``: 1.16 x at head size 128, level at 64), and
-    on tiles of more than 64 keys its values are widened into the V ring (``WIDEN_TO_V``: 1.03 x over 64-key
-    tiles beside a V^T ring, 1.16 x at head size 64; 0.94 x on 64-key tiles).
-    """
+    """The flags the policy sets for calls of ``shape`` on tiles of ``block_n`` keys, over :data:`DEFAULTS`: the
+    :data:`SPLIT_ROUTES` row of the call's route, in the table's order."""
     if shape.layout is not KVLayout.SPLIT:
         return {}
-    if shape.kv_cache_dtype.is_fp8:
-        if shape.head_size != shape.head_size_padded:
-            return {}
-        return dict(FP8_BOXES=True, WIDEN_TO_V=True) if block_n > 64 else dict(FP8_BOXES=True)
-    wide_chunks = block_n > WIDE_KEY_CHUNK
-    if shape.head_size in KEY_LOAD_HEAD_SIZES or (wide_chunks and shape.head_size in WIDE_KEY_LOAD_HEAD_SIZES):
-        flags = dict(KEY_LOADS=True, VALUES_FIRST=True)
-        if wide_chunks:
-            flags["WIDE_KEY_CHUNKS"] = True
-        if shape.head_size in EARLY_KEY_HEAD_SIZES:
-            flags["EARLY_KEYS"] = True
-        return flags
-    return {}
+    cache = "fp8" if shape.kv_cache_dtype.is_fp8 else "16-bit"
+    names = _ROUTE_FLAGS.get((cache, shape.head_size, block_n > WIDE_TILE), ())
+    return {flag.name: True for flag in FLAGS if flag.name in names}
 
 
 def parse(text: str) -> dict:
@@ -135,31 +171,17 @@ def resolve(shape: ProblemShape, config: TileConfig, schedule: Optional[dict] = 
     return applied(asked, shape, config)
 
 
-def partition_registers(flags: dict, split: bool, fp8: bool, num_warps: int) -> tuple[int, int]:
-    """Registers per thread of the producer partition and of the consumers under resolved ``flags``
-    (``setmaxnreg``): what the producer holds decides its share."""
-    if flags["WIDE_KEY_CHUNKS"]:  # two 64-key chunks of key loads
-        return WIDE_CHUNK_PRODUCER_REGS, WIDE_CHUNK_CONSUMER_REGS
-    if fp8 or flags["KEY_LOADS"]:  # a warpgroup holding slices of tiles
-        return WIDENING_PRODUCER_REGS, WIDENING_CONSUMER_REGS
-    if flags["WIDE_PRODUCER"]:
-        return WIDE_PRODUCER_REGS, WIDE_CONSUMER_REGS
-    # The producer warp of the split layout holds a tile of 16-byte copy addresses.
-    return 96 if split and num_warps == 8 else 24, CONSUMER_REGS
-
-
 def kernel_schedule(flags: dict, shape: ProblemShape, config: TileConfig) -> Schedule:
-    """The resolved ``flags`` as the kernel's constexpr, with the producer's warps and the registers."""
-    split, fp8 = shape.layout is KVLayout.SPLIT, shape.kv_cache_dtype.is_fp8
-    producer_regs, consumer_regs = partition_registers(flags, split, fp8, config.num_warps)
-    producer_warps = 4 if ((flags["WIDE_PRODUCER"] or flags["KEY_LOADS"]) and split) or fp8 else 1
+    """The resolved ``flags`` as the kernel's constexpr, with the producer's warps and the registers
+    (:data:`PARTITIONS`)."""
+    partition = PARTITIONS[producer_holds(flags, shape, config)]
     return Schedule(HEAVY_FIRST=flags["HEAVY_FIRST"], PINGPONG=flags["PINGPONG"],
                     IDLE_HALF=flags["IDLE_HALF"], KEY_LOADS=key_chunk(flags),
                     VALUES_FIRST=flags["VALUES_FIRST"], EARLY_KEYS=flags["EARLY_KEYS"],
                     F32_WIDENING=flags["F32_WIDENING"], FP8_BOXES=flags["FP8_BOXES"], WIDEN_TO_V=flags["WIDEN_TO_V"],
                     FUSED_SCALE=flags["FUSED_SCALE"], FP8_SCORES=flags["FP8_SCORES"],
-                    LAZY_RESCALE=flags["LAZY_RESCALE"], PRODUCER_WARPS=producer_warps,
-                    PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs)
+                    LAZY_RESCALE=flags["LAZY_RESCALE"], PRODUCER_WARPS=partition.producer_warps,
+                    PRODUCER_REGS=partition.producer_regs, CONSUMER_REGS=partition.consumer_regs)
 
 
 def shared_bytes(shape: ProblemShape, config: TileConfig, schedule: Optional[dict] = None) -> int:
