@@ -1,4 +1,7 @@
-"""The Hopper kernel's schedule on every route the policy gives it (no GPU needed).
+"""The Hopper kernel's schedule tables (:mod:`pagedprefill_sm80.hopper.flags`' flags, the routes' flags and the
+register splits of :mod:`pagedprefill_sm80.hopper.schedule`) and every route the policy gives the kernel (no GPU
+needed): each flag's default is :data:`DEFAULTS`', each register split fits the SM, each policy tile fits the
+shared memory, and docs/backends/sm80.md shows the flags' table as it is.
 
 :data:`RECORDED` holds, for each distinct call the policy and ``pagedprefill tune``'s search space hand the Hopper
 kernel on the H200, the flags the policy sets, the flags they resolve to (and how a caller's flags move them), the
@@ -17,14 +20,32 @@ import pytest
 import torch
 from pagedprefill import DeviceInfo
 from pagedprefill.tiling import ProblemShape
-from pagedprefill_sm80.hopper.schedule import SCHEDULE_ENV, kernel_schedule, resolve, route_flags, shared_bytes
+from pagedprefill_sm80.hopper.flags import FLAGS, flag_table
+from pagedprefill_sm80.hopper.schedule import (
+    DEFAULTS,
+    HEAD_SIZES,
+    PADDED_HEADS,
+    PARTITIONS,
+    SCHEDULE_ENV,
+    SPLIT_ROUTES,
+    kernel_schedule,
+    parse,
+    resolve,
+    route_flags,
+    shared_bytes,
+)
 from pagedprefill_sm80.policy import KERNEL_ENV, hopper_search_space, sm80_policy
 
 #: The routes' schedules as recorded (see the module's docstring).
 RECORDED = Path(__file__).with_name("schedule_routes.json")
+#: The page that shows :data:`FLAGS` as a table, between these two lines.
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "backends" / "sm80.md"
+DOCS_TABLE = ("<!-- flags: rendered by pagedprefill_sm80.hopper.flags.flag_table() -->", "<!-- /flags -->")
+#: Shared memory per block of the H100 and the H200.
+SM90_SHARED = 227 * 1024
 
 H200 = DeviceInfo(type="cuda", index=0, vendor="nvidia", name="NVIDIA H200", capability=(9, 0), warp_size=32,
-                  num_sms=132, max_shared_mem=227 * 1024, triton_backend="cuda")
+                  num_sms=132, max_shared_mem=SM90_SHARED, triton_backend="cuda")
 
 #: What a call may bring that the policy or the schedule reads: the query's and the new tokens' form.
 QUERIES = {"plain": {}, "in-cache": dict(kv_in_cache=True), "fp8-query": dict(fp8_query=True),
@@ -131,6 +152,83 @@ def test_every_route_resolves_as_recorded(policy_only):
     assert sorted(found) == sorted(recorded)
     for name, (shape, config) in found.items():
         assert observed(shape, config) == recorded[name], name
+
+
+def test_the_tables_defaults_are_the_defaults_and_its_names_what_parse_takes():
+    names = [flag.name for flag in FLAGS]
+    assert len(set(names)) == len(names)
+    assert DEFAULTS == {flag.name: flag.default for flag in FLAGS} and list(DEFAULTS) == names
+    assert parse(",".join(f"{name}=1" for name in names)) == dict.fromkeys(names, True)
+    with pytest.raises(ValueError, match="one of " + ", ".join(names)):
+        parse("NOT_A_FLAG=1")
+
+
+def test_each_rule_reads_only_flags_resolved_before_it():
+    seen = set()
+    for flag in FLAGS:
+        for rule in (flag.applies, flag.forced):
+            assert rule is None or set(rule.requires) <= seen, flag.name
+        seen.add(flag.name)
+
+
+def test_the_split_routes_name_flags_of_the_table_each_route_once():
+    keys = [(route.cache, head_size, route.wide) for route in SPLIT_ROUTES for head_size in route.head_sizes]
+    assert len(set(keys)) == len(keys)
+    for route in SPLIT_ROUTES:
+        assert set(route.flags) <= set(DEFAULTS) and route.cache in ("16-bit", "fp8"), route
+        assert set(route.head_sizes) <= set(HEAD_SIZES), route
+
+
+def test_the_policy_sets_no_flag_its_rule_drops(policy_only):
+    """Every flag a route sets (:data:`SPLIT_ROUTES`) applies to that route's calls and tiles."""
+    for name, (shape, config) in routes().items():
+        flags = resolve(shape, config)
+        assert all(flags[flag] for flag in route_flags(shape, config.block_n)), name
+
+
+def test_every_flag_is_on_somewhere_the_policy_goes(policy_only):
+    """A flag that no route of the policy resolves on, and that is off by default, is dead code: it leaves."""
+    on = {name for shape, config in routes().values() for name, value in resolve(shape, config).items() if value}
+    assert on == set(DEFAULTS)
+
+
+def test_a_rules_full_head_is_a_head_size_the_kernel_does_not_pad():
+    """The rules read a head that fills its tile from the shape (``head_size_padded``), the kernel from
+    :data:`PADDED_HEADS`: the same at every head size the kernel is built for."""
+    for head_size in HEAD_SIZES:
+        shape = ProblemShape(head_size, 32, 8, torch.bfloat16)
+        assert (shape.head_size != shape.head_size_padded) == (head_size in PADDED_HEADS), head_size
+
+
+@pytest.mark.parametrize("holds", PARTITIONS)
+def test_each_register_split_fits_the_sm(holds):
+    """``setmaxnreg`` takes multiples of 8 from 24 to 256 per thread, and the producer's threads and the two
+    consumer warpgroups' share the SM's 65,536 registers."""
+    partition = PARTITIONS[holds]
+    for regs in (partition.producer_regs, partition.consumer_regs):
+        assert regs % 8 == 0 and 24 <= regs <= 256, partition
+    assert partition.producer_warps in (1, 4), partition
+    assert 32 * partition.producer_warps * partition.producer_regs + 256 * partition.consumer_regs <= 65536
+
+
+def test_every_routes_partition_is_one_of_the_table(policy_only):
+    found = {tuple(PARTITIONS[holds]) for holds in PARTITIONS}
+    for name, (shape, config) in routes().items():
+        got = kernel_schedule(resolve(shape, config), shape, config)
+        assert (got.PRODUCER_WARPS, got.PRODUCER_REGS, got.CONSUMER_REGS) in found, name
+
+
+def test_every_policy_tile_fits_the_shared_memory_of_an_h100_and_an_h200(policy_only):
+    for name, (shape, config) in routes().items():
+        assert shared_bytes(shape, config) <= SM90_SHARED, name
+
+
+@pytest.mark.skipif(not DOCS.is_file(), reason=f"no {DOCS} (this checkout does not include docs/)")
+def test_the_docs_flag_table_is_the_tables():
+    text = DOCS.read_text()
+    start, end = (text.index(marker) for marker in DOCS_TABLE)
+    shown = text[start + len(DOCS_TABLE[0]):end].strip("\n") + "\n"
+    assert shown == flag_table(), "docs/backends/sm80.md: paste pagedprefill_sm80.hopper.flags.flag_table()"
 
 
 if __name__ == "__main__":
