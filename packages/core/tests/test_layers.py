@@ -177,7 +177,7 @@ def package_graph(root: Path = ROOT, package_name: str = PACKAGE) -> dict[str, l
 #: compiled with (Triton-free, read by the policy and the launcher alike), the Gluon kernel in its parts, the
 #: policy that decides, the launcher that executes, and the backend that holds them.
 SM80_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("schedule", ("hopper", "hopper.arguments", "hopper.schedule")),
+    ("schedule", ("hopper", "hopper.arguments", "hopper.flags", "hopper.schedule")),
     ("kernel", ("hopper.state", "hopper.loads", "hopper.epilogue", "hopper.consumer", "hopper.producer",
                 "hopper.kernel", "hopper.encoded")),
     ("policy", ("policy",)),
