@@ -3,7 +3,8 @@
 Compares the public drop-in (``context_attention_fwd``, default validation), the library's launcher alone,
 and a bare Triton launch of the same kernel with its arguments prepared once (what a hand-written launch
 of a seed-style kernel costs); then the drop-ins on the same batch with a 256-page block table, whose keys
-the policy splits (two launches). Prints microseconds per call.
+the policy splits (on sm90 one launch of the Hopper kernel, which merges its splits itself; elsewhere the
+portable kernel and the combine after it). Prints microseconds per call.
 
 Usage: python ci/gpu/host_overhead.py [nhd|split]   (the cache layout; split by default)
 """
@@ -90,9 +91,10 @@ def hopper_rows(p, backend, info, drop_in) -> dict:
 
 def split_rows(spec, backend, info) -> dict:
     """The same tiny batch with a block table as wide as a serving engine's (256 pages: 4096 keys per
-    sequence), on which the policy splits the keys (a kernel launch and the combine), and what allocating the
-    partial rows costs of it."""
+    sequence), on which the policy splits the keys, and what of it goes to allocating the partial rows and, on
+    sm90, to finding the Hopper kernel's kept arrival counters."""
     from pagedprefill.triton.launch import partial_rows
+    from pagedprefill_sm80.hopper.launch import arrival_counters
 
     wide = make_problem(spec.replace(extra_columns=256 - 1), "cuda")
     shape = problem_shape(wide)
@@ -112,6 +114,8 @@ def split_rows(spec, backend, info) -> dict:
         f"context_attention_fwd, 256 pages, {splits} splits": drop_in,
         f"vllm.context_attention_fwd, 256 pages, {splits} splits": vllm_drop_in,
         f"partial rows' allocation, {splits} splits": lambda: partial_rows(wide.q, max(2, splits)),
+        **({"arrival counters (kept per stream)": lambda: arrival_counters(wide.q.device, 1024)}
+           if info.capability[0] == 9 else {}),
     })
     forget()
     return rows

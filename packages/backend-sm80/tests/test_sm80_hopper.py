@@ -15,7 +15,7 @@ import pytest
 import torch
 from pagedprefill import DeviceInfo
 from pagedprefill.backends.triton_base import problem_shape
-from pagedprefill.tiling import ProblemShape
+from pagedprefill.tiling import ProblemShape, launch_grid
 from pagedprefill.workloads import BatchSpec, default_suite, make_problem
 from pagedprefill_sm80 import Sm80Backend
 from pagedprefill_sm80.hopper.launch import kernel_call, unfit_reason
@@ -151,7 +151,8 @@ def test_a_launch_passes_cores_groups_and_the_kernels_tile_layout_and_schedule(c
     config = hopper_config(s)
     call = kernel_call(problem, config, s)
     assert [type(t) for t in call.tensors] == [Tokens, *[TensorDescriptor] * 5, Cache, Batch, PerHead, ScaleTensors,
-                                               Partials]
+                                               Partials, torch.Tensor]
+    assert call.tensors[-1] is problem.q  # no split: the arrival counters' placeholder
     assert all(isinstance(t, TensorDescriptor) for t in call.tensors[DESCRIPTORS])
     assert call.tensors[0].q is problem.q and call.tensors[0].out is problem.out
     assert call.tensors[6].block_table is problem.batch.block_table
@@ -498,9 +499,10 @@ def check_rebuilt_arguments():
         first = make_problem(SPEC.replace(**changes))
         config = hopper_config(problem_shape(first))
         flags = resolve(problem_shape(first), config, flags)
-        arguments = _Arguments(first, call_tensors_of(first, config, flags))
+        grid = launch_grid(problem_shape(first), config)
+        arguments = _Arguments(first, call_tensors_of(first, config, flags, grid), config, grid)
         later = make_problem(SPEC.replace(**changes, seed=7))
-        got, want = arguments(later), call_tensors_of(later, config, flags)
+        got, want = arguments(later), call_tensors_of(later, config, flags, grid)
         assert len(got) == len(want)
         for g, w in zip(got[DESCRIPTORS], want[DESCRIPTORS]):
             assert (g.base.data_ptr(), g.base.dtype, g.shape, g.strides, g.block_shape, g.layout) == \
@@ -577,7 +579,7 @@ def check_encoded_launch():
         compiled = types.SimpleNamespace(run=run)
         encoded = EncodedLauncher.of(compiled, positions)
         assert encoded is not None
-        arguments = _Arguments(first, call.tensors, encoded)
+        arguments = _Arguments(first, call.tensors, hopper_config(shape), call.grid, encoded)
         head = (7, 1, 1, 99, "function", "metadata", None, None, None)
         other = make_problem(SPEC.replace(**changes, seed=7))
         new_tokens_moved = dataclasses.replace(other, k=other.k.clone(), v=other.v.clone())
@@ -1085,7 +1087,7 @@ def test_fp8_boxes_apply_to_the_split_layouts_fp8_cache_at_full_head_sizes():
     from pagedprefill_sm80.hopper.launch import call_tensors_of
 
     with pytest.raises(ValueError, match="FP8_BOXES: key_cache must be contiguous"):
-        call_tensors_of(strided, hopper_config(split8), {"FP8_BOXES": True})
+        call_tensors_of(strided, hopper_config(split8), {"FP8_BOXES": True}, (1, 1, 1))
 
 
 def test_fp8_boxes_compile_for_sm90_with_tma_boxes_instead_of_copies():
@@ -1471,3 +1473,39 @@ def compile_lazy_rescale() -> dict:
         out[f"nhd/{name}"] = {**summarize(compiled, 90).to_dict(),
                               "barriers": None if code is None else len(re.findall(r"\bBAR\.", code))}
     return out
+
+
+def test_split_keys_merge_in_the_kernel_itself():
+    """With split keys the Hopper kernel is the call's only launch: its plan binds no combine, a launch gets
+    zeroed arrival counters (one per tile, head chunk and consumer of the grid; kept per stream on a GPU, fresh
+    here), and the sm90 code counts arrivals with an atomic, without spills or instructions on an in-flight
+    MMA's registers."""
+    from pagedprefill_sm80.hopper.launch import split_arrivals
+
+    problem = make_problem(SPEC.replace(query_lens=(1, 1, 1, 1), context_lens=(4000, 3000, 2000, 4000)))
+    s = problem_shape(problem)
+    config = hopper_config(s).with_(key_splits=4)
+    call = kernel_call(problem, config, s)
+    arrivals = call.tensors[-1]
+    assert arrivals.dtype == torch.int32 and arrivals.shape == (call.grid[0] * call.grid[1] * 2,)
+    assert not arrivals.any()
+    assert split_arrivals(problem, config, call.grid).data_ptr() != arrivals.data_ptr()
+    assert split_arrivals(problem, config.with_(key_splits=1), call.grid) is problem.q  # unread placeholder
+    summary = child_result("compile_split_merge")
+    assert summary["spill_bytes"] in (0, None) and summary["wgmma_hazards"] in (0, None), summary
+    assert summary["atomics"] is None or summary["atomics"] >= 1, summary
+
+
+def compile_split_merge() -> dict:
+    """Codegen summary of a decode batch's plan with its keys split 4 ways, with the SASS's atomics."""
+    import re
+
+    from pagedprefill.triton.codegen import compile_call, sass, summarize
+    from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
+
+    problem = make_problem(SPEC.replace(query_lens=(1, 1, 1, 1), context_lens=(4000, 3000, 2000, 4000)))
+    s = problem_shape(problem)
+    compiled = compile_call(hopper_prefill_kernel, kernel_call(problem, hopper_config(s).with_(key_splits=4), s), 90)
+    code = sass(compiled)
+    return {**summarize(compiled, 90).to_dict(), "atomics": None if code is None else len(re.findall(r"\bATOMG?\.",
+                                                                                                      code))}

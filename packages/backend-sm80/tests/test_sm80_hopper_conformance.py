@@ -153,3 +153,33 @@ class TestSm80HopperConformance(ConformanceSuite):
             later = dataclasses.replace(later, out=torch.full_like(later.out, float("nan")))
             assert plan(later), f"the plan declined a call of its signature ({label})"
             assert_matches_reference(later.out, later, atol, rtol, label=f"{label} [{spec.describe()}]")
+
+    def test_split_keys_leave_their_arrival_counters_zero_for_the_next_launch(self, pagedprefill_device):
+        """Decode rows on a wide block table, whose keys the policy splits: two calls on one stream count on the
+        same kept counters and leave them zero, a call on another stream gets its own, and every call matches
+        the reference."""
+        from pagedprefill import get_registry
+        from pagedprefill.testing.cases import assert_matches_reference
+        from pagedprefill.tiling import problem_shape
+        from pagedprefill.workloads import make_problem
+
+        info = self.device_info(pagedprefill_device)
+        spec = BASE.replace(head_size=128, block_size=16, dtype=torch.bfloat16, num_heads=8, num_kv_heads=2,
+                            query_lens=(1, 1, 4), context_lens=(3000, 1200, 4000))
+        backend = get_registry().get(self.backend)
+        first = make_problem(spec, pagedprefill_device)
+        config = backend.tile_config(problem_shape(first), info)
+        assert config.kernel == "hopper" and config.key_splits > 1, config
+        atol, rtol = self.tolerances[spec.dtype]
+        side = torch.cuda.Stream(pagedprefill_device)
+        kept = []
+        for seed, stream in ((1, None), (2, None), (3, side)):
+            problem = make_problem(spec.replace(seed=seed), pagedprefill_device)
+            with torch.cuda.stream(stream or torch.cuda.current_stream(pagedprefill_device)):
+                out = self.run_backend(problem, pagedprefill_device)
+                torch.cuda.synchronize(pagedprefill_device)
+                counters = launch.arrival_counters.kept(pagedprefill_device)
+            assert counters is not None and not counters.any(), f"seed {seed}: counters left {counters}"
+            kept.append(counters.data_ptr())
+            assert_matches_reference(out, problem, atol, rtol, label=f"seed {seed} [{spec.describe()}]")
+        assert kept[0] == kept[1] != kept[2], kept

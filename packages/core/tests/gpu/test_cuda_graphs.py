@@ -104,17 +104,23 @@ class Captured:
 
 
 def scratch_bytes(c: Captured, gpu_backend) -> int:
-    """The most a call of ``c`` may allocate: its partial rows when the policy splits its keys, else nothing."""
+    """The most a call of ``c`` may allocate: its partial rows (and arrival counters) when the policy splits its keys,
+    else nothing."""
     from pagedprefill.backends.triton_base import TritonBackend, problem_shape
     from pagedprefill.device import DeviceInfo
-    from pagedprefill.tiling import split_scratch_bytes
+    from pagedprefill.tiling import launch_grid, split_scratch_bytes
 
     if not isinstance(gpu_backend, TritonBackend):
         return 0
     shape = problem_shape(pp.PrefillProblem(c.q, c.k, c.v, c.out, c.cache, c.batch,
                                             pp.AttentionOptions(**c.options)))
-    splits = gpu_backend.tile_config(shape, DeviceInfo.detect(c.device)).key_splits
-    return 0 if splits == 1 else split_scratch_bytes(shape, splits) + 2 * 512  # two tensors, 512-byte blocks
+    config = gpu_backend.tile_config(shape, DeviceInfo.detect(c.device))
+    if config.key_splits == 1:
+        return 0
+    g0, g1, _ = launch_grid(shape, config)
+    # Two tensors of partial rows, and a Hopper launch's arrival counters (an int32 per program and consumer,
+    # allocated once per stream), in 512-byte blocks.
+    return split_scratch_bytes(shape, config.key_splits) + 2 * 512 + -(-8 * g0 * g1 // 512) * 512
 
 
 def warm_up(c: Captured) -> None:

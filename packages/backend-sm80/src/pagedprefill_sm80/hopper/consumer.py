@@ -22,7 +22,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-from .epilogue import store_partials, store_rows
+from .epilogue import merge_if_last, store_partials, store_rows
 
 #: Under ``LAZY_RESCALE``, how far (log2 units) a tile's maximum may exceed a row's running max before the max
 #: moves and the accumulator is rescaled: P's entries then stay at most 2^8.
@@ -99,8 +99,9 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
     ``consumed`` is what every consumer reads: ``(ring, rows, walk, per_head, scoring, scales, output)``, with
     ``per_head`` core's ALiBi slopes and sinks, ``scoring`` ``(window, softcap, qk_scale)`` (``qk_scale`` has
     ``log2(e)`` folded in unless there is a softcap), ``scales`` core's ``Scales`` and ``ScaleTensors``, ``output``
-    ``(out, its row strides, core's Partials)``. An FP8 cache's ``k_scale`` is folded into the cached tiles' logit
-    scale and ``v_scale`` into the accumulator once the cached tiles (which come first) are done.
+    ``(out, its row strides, core's Partials, the splits' arrival counters)``. An FP8 cache's ``k_scale`` is
+    folded into the cached tiles' logit scale and ``v_scale`` into the accumulator once the cached tiles (which
+    come first) are done.
     """
     BLOCK_M: gl.constexpr = cfg.ROWS
     BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
@@ -186,5 +187,6 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
 
         if cfg.TILE.KEY_SPLITS > 1:
             store_partials(cfg, acc, m_i, l_i, head, out_rows, row_ok, rows, output, o_layout)
+            merge_if_last(cfg, head, out_rows, row_ok, rows, per_head, scales, output, o_layout, ROW0 // BLOCK_M)
         else:
             store_rows(cfg, acc, m_i, l_i, head, out_rows, row_ok, per_head, scales, output, o_layout)

@@ -157,7 +157,7 @@ def key_walk(cfg, rows, window, table_width, num_blocks):
 
 @gluon.jit
 def hopper_prefill_kernel(
-    tokens, k_cache, v_cache, k_new, v_new, v_cache_t, cache, batch, per_head, scale_tensors, partials,
+    tokens, k_cache, v_cache, k_new, v_new, v_cache_t, cache, batch, per_head, scale_tensors, partials, arrivals,
     qk_scale, scales, softcap, window, extents, strides,
     TILE: gl.constexpr, LAYOUT: gl.constexpr, FEATURES: gl.constexpr, SCALE_FROM_TENSOR: gl.constexpr,
     SCHEDULE: gl.constexpr,
@@ -169,7 +169,8 @@ def hopper_prefill_kernel(
     loaded 16 bytes at a time with ``strides``' key strides, and ``v_cache_t`` a TMA descriptor over the value
     cache viewed as ``[blocks * Hkv * D, PAGE]``; under ``FP8_BOXES`` ``k_cache`` describes the key cache by pages.
     ``k_new``/``v_new`` describe the new tokens' K/V viewed as ``[T, Hkv * D]``. Descriptors a layout or feature
-    does not use are placeholders.
+    does not use are placeholders. ``arrivals``: with split keys, one zeroed int32 counter per (tile, head chunk,
+    consumer) of the grid (:func:`~.epilogue.merge_if_last`); a placeholder otherwise.
     """
     cfg = KernelConfig(TILE, LAYOUT, FEATURES, SCALE_FROM_TENSOR, SCHEDULE)
     HEAD_SIZE: gl.constexpr = LAYOUT.HEAD_SIZE
@@ -216,7 +217,7 @@ def hopper_prefill_kernel(
                       (cache[1], strides.value_rows_per_block, strides.value_row))
     # What every consumer reads, and what the producer does: each partition's arguments, written once.
     consumed = (ring, rows, walk, per_head, (window, softcap, qk_scale), (scales, scale_tensors),
-                (tokens[3], strides.out, partials))
+                (tokens[3], strides.out, partials, arrivals))
     produced = (cfg, sources, ring, table, rows, walk)
     ROWS: gl.constexpr = cfg.ROWS
     if SCHEDULE.PINGPONG:

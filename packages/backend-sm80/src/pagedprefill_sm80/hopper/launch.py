@@ -4,9 +4,11 @@ The policy chooses the kernel from what a call looks like (:func:`.schedule.shap
 properties only the tensors know (strides that a 2-D TMA view needs, 16-byte alignment) are checked per call
 signature by :func:`unfit_reason`, and a call that fails them runs on the portable kernel with the same tile.
 Everything a launch shares with the portable kernel's (the feature flags, the scales, the plain tensors, the
-JIT launch, the bind and, with split keys, the partial rows and their combine) is core's
-(:mod:`pagedprefill.triton.launch`). Like core's launcher, nothing here synchronises with the device, and only
-a launch with split keys allocates (its partial rows, through core).
+JIT launch, the bind and, with split keys, the partial rows) is core's (:mod:`pagedprefill.triton.launch`); with
+split keys the kernel merges the partial rows itself (:func:`.epilogue.merge_if_last`), so a call is one launch
+either way. Like core's launcher, nothing here synchronises with the device, and only a launch with split keys
+allocates: its partial rows (through core); its arrival counters are kept zeroed per stream
+(:class:`ArrivalCounters`).
 """
 
 from __future__ import annotations
@@ -23,14 +25,11 @@ from pagedprefill.triton.blocks import LOG2E
 from pagedprefill.triton.launch import (
     FP8_E4M3_MAX,
     KernelCall,
-    SplitLaunch,
     bind,
-    bind_combine,
     call_extents,
     call_features,
     call_tensors,
     jit_launch,
-    launch_combine,
     scale_arguments,
 )
 from pagedprefill.types import KVLayout, PrefillProblem
@@ -153,10 +152,58 @@ def _key_pages_descriptor(key: torch.Tensor, box: int):
     return TensorDescriptor(key, [rows // page, page, x], [page * x, x, 1], [columns, box, x], layout)
 
 
-def call_tensors_of(p: PrefillProblem, config: TileConfig, flags: dict) -> tuple:
+class ArrivalCounters:
+    """The split keys' arrival counters, kept zeroed per (device, stream): every launch leaves its counters zero
+    again (:func:`.epilogue.merge_if_last`), so one buffer serves every later launch on the same stream, which the
+    stream orders after it, and a call allocates and fills nothing for them. Launches on other streams get their
+    own buffer; a launch captured into a CUDA graph gets a fresh zeroed one (a memset in the graph), so that no
+    replay shares a buffer with an eager call and no buffer the graph holds is ever freed by growth here."""
+
+    def __init__(self):
+        self._kept: dict = {}
+
+    def kept(self, device: torch.device) -> Optional[torch.Tensor]:
+        """The buffer kept for ``device``'s current stream, None before its first launch with split keys."""
+        from triton.runtime import driver
+
+        index = torch.cuda.current_device() if device.index is None else device.index
+        return self._kept.get((index, driver.active.get_current_stream(index)))
+
+    def __call__(self, device: torch.device, count: int) -> torch.Tensor:
+        """At least ``count`` zeroed int32 counters for a launch on ``device``'s current stream."""
+        if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return torch.zeros(count, dtype=torch.int32, device=device)
+        from triton.runtime import driver
+
+        key = (device.index, driver.active.get_current_stream(device.index))
+        kept = self._kept.get(key)
+        if kept is None or kept.numel() < count:
+            # Growing frees the smaller buffer to torch's allocator, which hands it out on this stream only,
+            # after the launches already queued on it.
+            kept = torch.zeros(max(count, 2 * (0 if kept is None else kept.numel())), dtype=torch.int32,
+                               device=device)
+            self._kept[key] = kept
+        return kept
+
+
+#: The counters every Hopper launch with split keys counts on.
+arrival_counters = ArrivalCounters()
+
+
+def split_arrivals(p: PrefillProblem, config: TileConfig, grid: tuple) -> torch.Tensor:
+    """The arrival counters of a launch of ``config`` with ``grid``: with split keys, one zeroed int32 per
+    (tile, head chunk, consumer) program pair (:data:`arrival_counters`), which the kernel leaves zeroed again;
+    ``p.q`` (unread) without."""
+    if config.key_splits == 1:
+        return p.q
+    return arrival_counters(p.q.device, grid[0] * grid[1] * 2)
+
+
+def call_tensors_of(p: PrefillProblem, config: TileConfig, flags: dict, grid: tuple) -> tuple:
     """The kernel's tensor arguments for the first launch of a signature, in signature order: core's groups, the
-    cache viewed as the type it stores (an FP8 cache as float8, which the kernel widens), and the TMA descriptors
-    at :data:`DESCRIPTORS` (placeholders where a layout or feature does not use one). ``flags`` (resolved,
+    cache viewed as the type it stores (an FP8 cache as float8, which the kernel widens), the TMA descriptors
+    at :data:`DESCRIPTORS` (placeholders where a layout or feature does not use one) and the split keys' arrival
+    counters (:func:`split_arrivals`) last. ``flags`` (resolved,
     :func:`.schedule.resolve`): under ``FP8_BOXES`` the split layout's FP8 key cache is described too, by
     pages (:func:`_key_pages_descriptor`)."""
     c = p.cache
@@ -198,13 +245,8 @@ def call_tensors_of(p: PrefillProblem, config: TileConfig, flags: dict) -> tuple
         v_new = _descriptor(p.v, 0, (1, 2), rows_of(config.block_n))
     tokens, _, batch, per_head, scale_tensors, partials = call_tensors(p, config.key_splits)
     return (Tokens(*tokens), k_cache, v_cache, k_new, v_new, v_cache_t, Cache(key, value, p.batch.block_table),
-            Batch(*batch), PerHead(*per_head), ScaleTensors(*scale_tensors), Partials(*partials))
-
-
-def core_groups(tensors: tuple) -> tuple:
-    """Core's six tensor groups (:func:`pagedprefill.triton.launch.call_tensors`) out of the kernel's tensor
-    arguments: all but the TMA descriptors, which core's combine does not read."""
-    return (tensors[0], *tensors[DESCRIPTORS.stop:])
+            Batch(*batch), PerHead(*per_head), ScaleTensors(*scale_tensors), Partials(*partials),
+            split_arrivals(p, config, grid))
 
 
 #: Where the TMA descriptors sit among the kernel's arguments: consecutive top-level arguments, where Triton's
@@ -253,8 +295,8 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
     scalars = (qk_scale, scales, softcap, opts.sliding_window or 0, call_extents(p), _strides(p))
     # Under PINGPONG the launch's warps are the default partition's: the first consumer warpgroup.
     warps = config.num_warps // 2 if kernel_schedule.PINGPONG else config.num_warps
-    return KernelCall(launch_grid(shape, config), call_tensors_of(p, config, flags), scalars, constexprs,
-                      dict(num_warps=warps))
+    grid = launch_grid(shape, config)
+    return KernelCall(grid, call_tensors_of(p, config, flags, grid), scalars, constexprs, dict(num_warps=warps))
 
 
 def launch_hopper(problem: PrefillProblem, config: TileConfig, shape: ProblemShape, schedule: Optional[dict] = None):
@@ -265,9 +307,7 @@ def launch_hopper(problem: PrefillProblem, config: TileConfig, shape: ProblemSha
     call = kernel_call(problem, config, shape, schedule)
     if call is None:
         return None
-    compiled = jit_launch(hopper_prefill_kernel, call, problem.q.device)
-    launch_combine(problem, config, core_groups(call.tensors), call.grid)
-    return compiled
+    return jit_launch(hopper_prefill_kernel, call, problem.q.device)
 
 
 class _Address:
@@ -296,8 +336,8 @@ class _Arguments:
     call) is reused as it is. With an :class:`~.encoded.EncodedLauncher` each descriptor is passed encoded, and
     encoded again only when its tensor moved."""
 
-    def __init__(self, first: PrefillProblem, tensors: tuple, encoded: Optional[EncodedLauncher] = None,
-                 key_splits: int = 1):
+    def __init__(self, first: PrefillProblem, tensors: tuple, config: TileConfig, grid: tuple,
+                 encoded: Optional[EncodedLauncher] = None):
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         sources = _descriptor_sources(first)
@@ -312,13 +352,15 @@ class _Arguments:
                                     arg.layout))
         self._descriptor = TensorDescriptor
         self._encoded = encoded
-        self._key_splits = key_splits
+        self._config = config
+        self._grid = grid
 
     def __call__(self, later: PrefillProblem) -> Optional[tuple]:
         """The arguments for ``later``, or None when an address lost TMA's 16-byte alignment."""
         sources = _descriptor_sources(later)
-        tokens, cache, batch, per_head, scale_tensors, partials = call_tensors(later, self._key_splits)
-        args = [tokens, None, None, None, None, None, cache, batch, per_head, scale_tensors, partials]
+        tokens, cache, batch, per_head, scale_tensors, partials = call_tensors(later, self._config.key_splits)
+        args = [tokens, None, None, None, None, None, cache, batch, per_head, scale_tensors, partials,
+                split_arrivals(later, self._config, self._grid)]
         for position, source, dtype, shape, strides, block, layout in self._slots:
             ptr = sources[source].data_ptr()
             last = self._last.get(position)
@@ -350,16 +392,10 @@ def bind_hopper(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
     if bound is None:
         return None
     encoded = bound.launcher if isinstance(bound.launcher, EncodedLauncher) else None
-    arguments = _Arguments(problem, call.tensors, encoded, config.key_splits)
-    run = bound
-    if config.key_splits > 1:
-        combine = bind_combine(problem, config, core_groups(call.tensors), call.grid)
-        if combine is None:
-            return None
-        run = SplitLaunch(bound, combine, core_groups)
+    arguments = _Arguments(problem, call.tensors, config, call.grid, encoded)
 
     def launch(later: PrefillProblem) -> bool:
         tensors = arguments(later)
-        return tensors is not None and run(tensors)
+        return tensors is not None and bound(tensors)
 
     return launch
