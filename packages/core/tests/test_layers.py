@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("backends and kernels", ("backends", "triton")),
     ("dispatch", ("runtime",)),
     ("operators", ("ops",)),
-    ("public API", ("api", "vllm", "")),
+    ("public API", ("api", "vllm", "_facade", "")),
     ("tools", ("__main__", "cli", "testing", "integrations")),
 )
 
