@@ -86,7 +86,10 @@ def _unreachable(url: str, timeout: float = 5.0) -> str:
 
 def install(session: nox.Session, *packages: str, extras: str = "", cpu_torch: bool = False) -> None:
     """Install the project's packages (editable, each once); pinned deps in a venv (with ``cpu_torch``, a
-    CPU build of torch where PyTorch's CPU index answers), nothing fetched without one."""
+    CPU build of torch where PyTorch's CPU index answers), nothing fetched without one.
+
+    In a venv the install is said first (what, under which pins, which torch), and pip's own output follows:
+    nox would hide it unless run with ``--verbose``, and downloading torch takes minutes."""
     paths = [p for p in dict.fromkeys(packages) if (ROOT / p).exists()]
     if _no_venv(session):
         session.run("python", "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
@@ -95,14 +98,18 @@ def install(session: nox.Session, *packages: str, extras: str = "", cpu_torch: b
     core = f"{CORE}[{extras}]" if extras else CORE
     targets = [core if p == CORE else p for p in paths]
     index = []
+    torch = _public_torch()
     if cpu_torch:
         why = _unreachable(f"{CPU_TORCH_INDEX}/torch/")
         if why:
             session.log(f"PyTorch's CPU index {CPU_TORCH_INDEX} does not answer ({why}), so pip takes "
-                        f"{_public_torch()} (unless the configured indexes offer another build)")
+                        f"{torch} (unless the configured indexes offer another build)")
         else:
             index = ["--extra-index-url", CPU_TORCH_INDEX]
-    session.install(*index, "-c", str(CONSTRAINTS), *[a for p in targets for a in ("-e", p)])
+            torch = f"torch's CPU build from {CPU_TORCH_INDEX} (about 200 MB)"
+    session.log(f"pip installs {', '.join(targets)} (editable) and their dependencies, pinned by "
+                f"{CONSTRAINTS.relative_to(ROOT)}; it takes {torch}")
+    session.install(*index, "-c", str(CONSTRAINTS), *[a for p in targets for a in ("-e", p)], silent=False)
 
 
 def pytest_args(session: nox.Session) -> list[str]:
@@ -154,7 +161,7 @@ def demo(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """ruff over every package, the noxfile and CI scripts."""
     if not _no_venv(session):
-        session.install("ruff")
+        session.install("ruff", silent=False)
     session.run("ruff", "check", "packages", "ci", "noxfile.py", "docs")
 
 

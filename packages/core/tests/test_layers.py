@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("dispatch", ("runtime",)),
     ("operators", ("ops",)),
     ("calls", ("calls",)),
-    ("public API", ("api", "vllm", "")),
+    ("public API", ("api", "vllm", "_facade", "")),
     ("tools", ("__main__", "cli", "testing", "integrations")),
 )
 

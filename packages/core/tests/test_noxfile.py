@@ -159,3 +159,31 @@ def test_the_tests_session_installs_what_every_core_test_needs(noxfile, monkeypa
     pyproject = (NOXFILE.parent / "packages" / "core" / "pyproject.toml").read_text()
     test_extra = re.search(r"^test = \[(.*)\]$", pyproject, re.M).group(1)
     assert '"pytest-xdist' in test_extra, test_extra
+
+
+class VerboseRecordingSession(RecordingSession):
+    """A :class:`RecordingSession` that also records each install's keyword arguments and the logs before it."""
+
+    def install(self, *args, **kwargs):
+        super().install(*args, **kwargs)
+        self.calls.append(("install kwargs", kwargs, list(self.logs)))
+
+
+@pytest.mark.parametrize("index_answers", [True, False])
+def test_installs_say_what_they_install_and_show_pips_progress(noxfile, monkeypatch, index_answers):
+    """nox hides an install's output unless run with --verbose: the sessions say what pip installs (and which
+    torch) before it starts, and let its progress show."""
+    monkeypatch.setattr(noxfile, "_unreachable", lambda url, timeout=5.0: "" if index_answers else "no network here")
+    monkeypatch.setattr(noxfile.sys, "platform", "linux")
+    session = VerboseRecordingSession("venv")
+    noxfile.tests(session)
+    (_, kwargs, logs_before), = [call for call in session.calls if call[0] == "install kwargs"]
+    assert kwargs.get("silent") is False, kwargs
+    said = [line for line in logs_before if line.startswith("pip installs packages/core[triton,test,transformers]")]
+    assert said, logs_before
+    assert ("torch's CPU build from https://download.pytorch.org/whl/cpu" if index_answers
+            else "the CUDA one: about 4.7 GB") in said[0], said[0]
+    lint = VerboseRecordingSession("venv")
+    noxfile.lint(lint)
+    assert [call[1] for call in lint.calls if call[0] == "install kwargs"] == [{"silent": False}]
+

@@ -9,63 +9,52 @@ Quick start::
 At import, pagedprefill discovers installed backend plugins (entry-point group ``pagedprefill.backends``)
 and selects one for the current device. Set ``PAGEDPREFILL_LAZY_SELECT=1`` to defer that to the first call
 (for processes that fork workers before touching the GPU).
+
+The public names come from :mod:`pagedprefill._facade`, which does all of this. The ``pagedprefill`` command
+(``python -m pagedprefill``, or the installed script) starts without it, so that its help answers without
+importing torch: its subcommands import it when they run, and so does the first use of a public name here.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
-import warnings
-from typing import Optional
-
-with warnings.catch_warnings():
-    # torch warns "Failed to initialize NumPy" when it first meets a missing numpy (at its import, or when
-    # custom operators register); core declares numpy, but an environment installed with --no-deps (a vendor's
-    # SDK) may lack it, and the reference backend runs without it.
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
-    import torch  # noqa: F401
-
-    from . import ops  # registers torch.ops.pagedprefill.prefill_attention(_) for torch.compile / CUDA graphs
-from .api import (
-    available_backends,
-    context_attention_fwd,
-    dispatch,
-    get_registry,
-    prefill_attention,
-    reset_registry,
-    select_backend,
-)
-from .cache import allocate_cache, fp8_scale_for, gather_kv, quantize_fp8, write_to_cache
-from .device import DeviceInfo
-from .errors import BackendUnavailableError, DeviceUnavailableError, UnsupportedFeatureError
-from .reference_impl import reference_prefill
-from .registry import ENTRY_POINT_GROUP, ENV_BACKEND, Backend, hookimpl
-from .tiling import ProblemShape, TileConfig, TilingPolicy
-from .types import AttentionOptions, BatchMetadata, KVCacheDType, KVLayout, PagedKVCache, PrefillProblem
-from .validation import validate_problem
+import sys
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AttentionOptions", "Backend", "BackendUnavailableError", "BatchMetadata", "DeviceInfo",
-    "DeviceUnavailableError", "ENTRY_POINT_GROUP",
-    "ENV_BACKEND", "KVCacheDType", "KVLayout", "PagedKVCache", "PrefillProblem", "ProblemShape", "TileConfig",
-    "TilingPolicy", "UnsupportedFeatureError", "allocate_cache", "available_backends", "context_attention_fwd",
-    "dispatch", "fp8_scale_for", "gather_kv", "get_registry", "hookimpl", "import_selection", "ops",
-    "prefill_attention", "quantize_fp8", "reference_prefill", "reset_registry", "select_backend", "validate_problem",
-    "write_to_cache",
-]
-
-_import_selection: Optional[Backend] = None
+#: How ``python -m`` may name the package when it runs the command (``__main__.py``).
+_COMMAND_MODULES = ("pagedprefill", "pagedprefill.__main__")
 
 
-def import_selection() -> Optional[Backend]:
-    """The backend chosen for the current device at import (None if deferred or if nothing fit)."""
-    return _import_selection
+def _starting_the_command() -> bool:
+    """Whether this process imports the package to run the ``pagedprefill`` command, which then imports the
+    library itself when a subcommand runs (:mod:`pagedprefill.cli`)."""
+    argv, original = getattr(sys, "argv", []), getattr(sys, "orig_argv", [])
+    if argv[:1] == ["-m"] and len(argv) <= len(original):
+        # While `python -m MODULE ARGS` imports the packages holding MODULE, sys.argv is ["-m", *ARGS]; MODULE
+        # is the word before ARGS in the interpreter's own arguments (or ends the option that holds it: -mMODULE).
+        word = original[-len(argv)]
+        module = word[word.index("m") + 1:] if word.startswith("-") and "m" in word else word
+        return module in _COMMAND_MODULES
+    # The script that installers write for the entry point (bin/pagedprefill; pagedprefill.exe on Windows).
+    name = os.path.basename(argv[0]) if argv else ""
+    return name in ("pagedprefill", "pagedprefill.exe", "pagedprefill-script.py", "pagedprefill-script.pyw")
 
 
-if os.environ.get("PAGEDPREFILL_LAZY_SELECT", "0") in ("", "0"):
-    try:
-        # Quietly: nothing runs yet, so a fallback is told at the first call or select_backend() that returns it.
-        _import_selection = get_registry().select(DeviceInfo.detect(), warn=False)
-    except Exception:  # never fail the import; the first call raises the full explanation
-        pass
+def __getattr__(name: str):
+    """A public name not bound here yet, taken from the library: while it is imported (a plugin that the choice
+    at import loads reads ``pagedprefill.hookimpl``), and in the command, which imports it on first use."""
+    if name.startswith("_") and name != "__all__":  # private, or looked for by an import of a module
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    _facade = importlib.import_module(f"{__name__}._facade")
+    if name == "__all__" or name in _facade.__all__:
+        return getattr(_facade, name)
+    if name in globals():  # a module of the package, imported with the library
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if not _starting_the_command():
+    from ._facade import *  # noqa: F403  (torch, the operators, the backend chosen at import)
+    from ._facade import __all__  # noqa: F401  (the public names, for `from pagedprefill import *`)

@@ -3,8 +3,10 @@
 Every error a user can cause (a bad option, a backend that cannot run, a device this torch cannot use) is
 one line on standard error that says what to do, with exit status 2; tracebacks are left for bugs.
 
-One module per command (:mod:`.info`, :mod:`.demo`, :mod:`.bench`, :mod:`.tune`), each with a ``register``
-function adding its subcommand; :mod:`.arguments` holds the argument types they share.
+The parser is built from :mod:`.commands` (the subcommands' arguments and help) and :mod:`.arguments` (the
+argument types they share), neither of which imports torch, so that ``--help`` answers at once; the library
+is imported after parsing, or while parsing an argument that needs it (a ``--device``). One module per command
+(:mod:`.info`, :mod:`.demo`, :mod:`.bench`, :mod:`.tune`) runs it, imported when it runs.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import warnings
 from typing import Optional
 
 from .. import __version__
-from ..registry import BackendUnavailableError, FallbackWarning
-from .arguments import Parser
+from ..errors import BackendUnavailableError
+from . import commands
+from .arguments import Parser, load_library
 
 DESCRIPTION = ("Prefix-prefill attention over a paged KV cache: show the device and backends (info), run a "
                "checked example (demo), time backends (bench) and tune their tiles (tune).")
@@ -30,12 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="pagedprefill", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=f"pagedprefill {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from . import bench, demo, info, tune
-
-    info.register(sub)
-    demo.register(sub)
-    bench.register(sub)
-    tune.register(sub)
+    commands.register_info(sub)
+    commands.register_demo(sub)
+    commands.register_bench(sub)
+    commands.register_tune(sub)
     return parser
 
 
@@ -48,6 +49,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Run the command line ``argv``; a user's mistake is one line on stderr and exit status 2, a fallback of
     the automatic choice one warning line."""
     args = build_parser().parse_args(argv)
+    load_library()
     try:
         with warnings.catch_warnings():  # the previous warning display comes back on exit
             warnings.showwarning = _one_line_fallbacks(args.command, warnings.showwarning)
@@ -64,6 +66,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 def _one_line_fallbacks(command: str, show):
     """A ``warnings.showwarning`` that prints a :class:`~pagedprefill.registry.FallbackWarning` as one line
     naming the command (its place in the library's code says nothing to the user), and others as ``show``."""
+    from ..registry import FallbackWarning
+
     def display(message, category, filename, lineno, file=None, line=None):
         if issubclass(category, FallbackWarning):
             print(f"pagedprefill {command}: warning: {one_line(str(message))}", file=file or sys.stderr)

@@ -54,7 +54,6 @@ from ..workloads import (
     with_output,
 )
 from . import fa4 as fa4_peer
-from .arguments import data_device, positive_int
 
 
 def _median_ms(fn: Callable[[], object], reps: int) -> float:
@@ -728,31 +727,3 @@ def cmd_bench(args) -> int:
     if args.png:
         plot(rows, args.png, f"pagedprefill bench: {info.name}, {meta['date']}")
     return 0
-
-
-def register(sub) -> None:
-    p = sub.add_parser("bench", help="time the workload suite for backends and peers (GPU)")
-    p.add_argument("--backend", action="append", help="backend to time (repeatable; default: the selected one)")
-    p.add_argument("--device", type=data_device, default=None, help="CUDA device to time on (default: the current)")
-    p.add_argument("--suite", choices=sorted(SUITES), default="default",
-                   help="workloads to time: the performance table's (default); context scaling, 2 x 1024 new "
-                        "tokens on 8k, 32k and 128k cached (context); or a serving engine's batches, each timed "
-                        "as the engine calls it (k = v = None, every key and value in the NHD cache) and the "
-                        "classic way, with FlashAttention-4 beside them when flash_attn.cute imports (engine); "
-                        "or, timed the same way, one GPU's share of the heads of common models at tensor-parallel "
-                        "degrees 1-8, each as a prefix-cached, a chunked and a decode row (models)")
-    p.add_argument("--only", action="append", help="run workloads whose name contains this (repeatable)")
-    p.add_argument("--list", action="store_true",
-                   help="list the suite's workloads (shapes, TFLOP, K/V bytes) and exit; needs no device")
-    p.add_argument("--reps", type=positive_int, default=200, help="do_bench repetition budget in ms (default 200)")
-    p.add_argument("--rounds", type=positive_int, default=3,
-                   help="engine and models suites: alternating rounds in which every column of a workload is "
-                        "timed, the median reported (default %(default)s)")
-    p.add_argument("--layout", choices=["split", "nhd", "both"], default="both",
-                   help="cache layout(s) the backends read (default: %(default)s)")
-    p.add_argument("--no-reference", action="store_true", help="skip timing the reference implementation")
-    p.add_argument("--no-host-overhead", action="store_true", help="skip the host-overhead row")
-    p.add_argument("--json", default="bench.json", help="write rows here (default bench.json)")
-    p.add_argument("--png", default="bench.png", help="write a chart here (default bench.png)")
-    p.add_argument("--commit", default=None, help="commit id to record with the results")
-    p.set_defaults(func=cmd_bench)

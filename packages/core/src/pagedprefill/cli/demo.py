@@ -12,11 +12,7 @@ from ..device import DeviceInfo, interpreter_enabled
 from ..testing.cases import DEFAULT_TOLERANCES
 from ..validation import dtype_name
 from ..workloads import BatchSpec, fresh_output, make_problem
-from .arguments import data_device, positive_int
-
-#: Timed runs by default, and where Triton's CPU interpreter runs the kernels (about 8 s a run on two cores).
-REPEATS = 5
-INTERPRETER_REPEATS = 1
+from .commands import INTERPRETER_REPEATS, REPEATS
 
 
 def demo_spec(device: torch.device) -> BatchSpec:
@@ -91,16 +87,3 @@ def runs_in_interpreter(backend, device: torch.device) -> bool:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def register(sub) -> None:
-    """Add the ``demo`` subcommand to ``sub`` (an argparse subparsers object)."""
-    p = sub.add_parser("demo", help="run a realistic batch on the selected backend and check it")
-    p.add_argument("--device", type=data_device, default=None,
-                   help="torch device (default: the current GPU, else cpu)")
-    p.add_argument("--backend", default=None,
-                   help="backend name, as 'pagedprefill info' lists them (default: automatic selection)")
-    p.add_argument("--repeats", type=positive_int, default=None,
-                   help=f"timed runs, at least 1 (default: {REPEATS}; {INTERPRETER_REPEATS} where Triton's CPU "
-                        "interpreter runs the kernels, each run taking seconds)")
-    p.set_defaults(func=cmd_demo)

@@ -8,7 +8,6 @@ from .. import __version__
 from ..api import get_registry, select_backend
 from ..device import DeviceInfo
 from ..registry import BackendUnavailableError
-from .arguments import torch_device
 
 
 def _device_info(args) -> DeviceInfo:
@@ -98,16 +97,3 @@ def _print_routes(backend, info: DeviceInfo, suite: str = "default") -> None:
                                               f"s{config.num_stages} [{packing(config, shape)}]")
             form = "engine" if engine_form else layout
             print(f"  {workload.name[:60]:<60} {form:<6} {kernel}{tile}" + (f" ({why})" if why else ""))
-
-
-def register(sub) -> None:
-    """Add the ``info`` subcommand to ``sub`` (an argparse subparsers object)."""
-    p = sub.add_parser("info", help="show the device, every backend and why it is or is not chosen")
-    p.add_argument("--device", type=torch_device, default=None,
-                   help="torch device to describe (default: the current GPU, else cpu)")
-    p.add_argument("--describe", default=None, metavar="NAME",
-                   help=f"describe a device that is not present: {', '.join(sorted(described_devices()))}")
-    p.add_argument("--suite", choices=["default", "engine", "models"], default="default",
-                   help="the bench suite whose tiles, head packing and kernels to show on a GPU (default: "
-                        "%(default)s)")
-    p.set_defaults(func=cmd_info)

@@ -23,7 +23,6 @@ from ..errors import DeviceUnavailableError
 from ..testing.cases import DEFAULT_TOLERANCES, assert_matches_reference
 from ..timing import alternating_rounds
 from ..workloads import BatchSpec, fresh_output, make_problem
-from .arguments import data_device, positive_int
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -136,24 +135,3 @@ def cmd_tune(args) -> int:
         print(f"  {key:<32} {ms:8.3f} ms  {cfg.to_dict()}{'' if separable else '  (within the rounds spread)'}")
     print(f"table written to {path}")
     return 0
-
-
-def register(sub) -> None:
-    p = sub.add_parser("tune", help="sweep a backend's tile configs on this GPU and write its policy table")
-    p.add_argument("--backend", default="sm80",
-                   help="backend whose declared search space is swept; its search_space() must offer tiles "
-                        "(default: %(default)s)")
-    p.add_argument("--device", type=data_device, default=None,
-                   help="CUDA device to tune on (default: the current one)")
-    p.add_argument("--head-size", type=positive_int, nargs="+", default=[64, 128],
-                   help="head sizes to tune (default: 64 128)")
-    p.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=["bf16"],
-                   help="query dtypes to tune (default: bf16)")
-    p.add_argument("--workload", nargs="+", choices=["short", "long"], default=["long", "short"],
-                   help="workload shapes to tune (default: long short)")
-    p.add_argument("--layout", nargs="+", choices=["nhd", "split"], default=["nhd"],
-                   help="cache layouts to tune; each is its own table key (default: nhd)")
-    p.add_argument("--rounds", type=positive_int, default=3,
-                   help="alternating rounds in which every candidate is timed; the median round counts (default: 3)")
-    p.add_argument("--out", default=None, help="table path (default: the user table the policy reads)")
-    p.set_defaults(func=cmd_tune)
