@@ -10,10 +10,12 @@ downloaded. The batch is ``--prompts`` prompts of random token ids with lengths 
 ``ContinuousBatchingConfig(block_size=256, max_batch_tokens=8192)`` with a cache that holds every request at
 once (``--num-blocks``), so that each implementation schedules the same batches.
 
-Each implementation first runs a short warm-up ``generate_batch`` (compilation, kernel caches), then the timed
-one. Times come from transformers' own per-request records (``record_timestamps=True``): a request's creation
-time and the time each of its tokens was generated, so the manager's start-up (and its CUDA-graph capture) is
-not counted. Reported:
+Each implementation first runs a short warm-up ``generate_batch``, then the whole batch ``--passes`` times (2 by
+default), timing the last: the first pass compiles the kernels its steps need (one per tile the policy picks
+for a step's shape, seconds each on a first run), which a server pays once at start-up, not per request. Times
+come from transformers' own per-request records (``record_timestamps=True``): a request's creation time and the
+time each of its tokens was generated, so the manager's start-up (and its CUDA-graph capture) is not counted.
+Reported:
 
 * prefill tokens/s: all prompt tokens over the time from the first request's creation to the moment every
   request has its first token (decode steps of early requests run inside that interval too);
@@ -37,6 +39,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 IMPLEMENTATIONS = ("paged|sdpa", "paged|flash_attention_4", "paged|pagedprefill")
@@ -61,10 +64,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"attention implementations, in order (default: {' '.join(IMPLEMENTATIONS)})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts (default 0)")
     parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
+    parser.add_argument("--passes", type=int, default=2,
+                        help="generate_batch runs of the whole batch per implementation, the last one timed "
+                             "(default 2: the first compiles every kernel the batch's steps need)")
     parser.add_argument("--host-times", action="store_true",
                         help="also time the host's side of every attention call of the timed runs (a timer around "
                              "the implementation's function, no synchronisation)")
     args = parser.parse_args(argv)
+    if args.passes < 1:
+        parser.error("--passes: expected at least 1")
     if not 1 <= args.min_len <= args.max_len:
         parser.error("--min-len and --max-len: expected 1 <= min <= max")
     return args
@@ -132,21 +140,12 @@ def measure(results, prompts) -> dict:
         "decode_s": end - prefill_end,
         "decode_tokens": decode_tokens,
         "decode_tokens_per_s": decode_tokens / (end - prefill_end) if end > prefill_end else None,
-        # A step stamps its tokens at one time: the gaps between those times are the steps' durations.
-        "decode_step_ms_median": 1e3 * statistics.median(steps) if (steps := step_gaps(results, prefill_end))
-        else None,
         "ttft_median_s": statistics.median(ttft),
         "ttft_p90_s": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))],
         "ttft_max_s": ttft[-1],
         "wall_s": end - start,
         "generated_tokens_per_s": sum(len(r.generated_tokens) for r in results) / (end - start),
     }
-
-
-def step_gaps(results, after: float) -> list[float]:
-    """Seconds between consecutive generation steps after ``after`` (the steps' distinct token times)."""
-    times = sorted({t for r in results for t in r.timestamps if t > after})
-    return [b - a for a, b in zip(times, times[1:])]
 
 
 def agreement(tokens, reference) -> dict:
@@ -170,12 +169,19 @@ def run_one(model, impl, prompts, warmup_prompts, args, cb_kwargs) -> dict:
         errors = [r.error for r in warm if r.error]
         if errors or len(warm) != len(warmup_prompts):
             return {**row, "status": "not run", "reason": f"warm-up failed: {errors[0] if errors else 'no results'}"}
-        times, restore = timed_attention(impl) if args.host_times else (None, None)
-        try:
-            results = generate(model, impl, prompts, args.new_tokens, cb_kwargs)
-        finally:
-            if restore is not None:
-                restore()
+        for done in range(1, args.passes + 1):
+            # Every pass but the last compiles what the timed batch's steps need (a kernel per tile the policy
+            # picks for a step's shape); the last one is timed.
+            last = done == args.passes
+            times, restore = timed_attention(impl) if args.host_times and last else (None, None)
+            started = time.perf_counter()
+            try:
+                results = generate(model, impl, prompts, args.new_tokens, cb_kwargs)
+            finally:
+                if restore is not None:
+                    restore()
+            if not last:
+                row.setdefault("untimed_passes_s", []).append(time.perf_counter() - started)
         if times is not None:
             row["attention_host"] = host_summary(times)
             print(f"{impl}: attention calls' host time {row['attention_host']}", flush=True)
@@ -214,11 +220,18 @@ def timed_attention(impl: str):
     return times, lambda: mapping.__setitem__(key, original)
 
 
+#: A call whose host time passes this compiled a kernel or waited for the GPU.
+SLOW_CALL_S = 0.05
+
+
 def host_summary(times: list[float]) -> dict:
-    """Calls, total seconds and the median and 90th percentile in microseconds of the attention calls' host times."""
+    """Calls, total seconds, the median and 90th percentile in microseconds of the attention calls' host times, and
+    the calls slower than :data:`SLOW_CALL_S` (how many, and their seconds)."""
     ordered = sorted(times)
+    slow = [t for t in times if t > SLOW_CALL_S]
     return {"calls": len(times), "host_s": sum(times), "median_us": 1e6 * statistics.median(ordered) if times else None,
-            "p90_us": 1e6 * ordered[int(0.9 * (len(ordered) - 1))] if times else None}
+            "p90_us": 1e6 * ordered[int(0.9 * (len(ordered) - 1))] if times else None,
+            "slow_calls": len(slow), "slow_calls_s": sum(slow)}
 
 
 def environment() -> dict:
@@ -292,7 +305,6 @@ def format_row(row: dict) -> str:
     return (f"{row['impl']:<24} prefill {row['prefill_tokens_per_s']:10.0f} tok/s   decode "
             f"{decode if decode is not None else float('nan'):8.1f} tok/s   time to first token median "
             f"{row['ttft_median_s']:.2f} s, p90 {row['ttft_p90_s']:.2f} s, max {row['ttft_max_s']:.2f} s   "
-            f"decode step median {row['decode_step_ms_median'] or float('nan'):.1f} ms   "
             f"wall {row['wall_s']:.2f} s ({row['generated_tokens_per_s']:.1f} generated tok/s)")
 
 
