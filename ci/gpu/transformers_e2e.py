@@ -67,12 +67,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--passes", type=int, default=2,
                         help="generate_batch runs of the whole batch per implementation, the last one timed "
                              "(default 2: the first compiles every kernel the batch's steps need)")
+    parser.add_argument("--check", action="store_true",
+                        help="run every attention call of paged|pagedprefill's first (untimed) pass also on the "
+                             "reference backend and compare (needs --passes 2 or more)")
     parser.add_argument("--host-times", action="store_true",
                         help="also time the host's side of every attention call of the timed runs (a timer around "
                              "the implementation's function, no synchronisation)")
     args = parser.parse_args(argv)
     if args.passes < 1:
         parser.error("--passes: expected at least 1")
+    if args.check and args.passes < 2:
+        parser.error("--check: runs on the first, untimed pass; expected --passes 2 or more")
     if not 1 <= args.min_len <= args.max_len:
         parser.error("--min-len and --max-len: expected 1 <= min <= max")
     return args
@@ -174,6 +179,9 @@ def run_one(model, impl, prompts, warmup_prompts, args, cb_kwargs) -> dict:
             # picks for a step's shape); the last one is timed.
             last = done == args.passes
             times, restore = timed_attention(impl) if args.host_times and last else (None, None)
+            errors = None
+            if args.check and done == 1 and impl == "paged|pagedprefill":
+                errors, restore = checked_attention(impl)
             started = time.perf_counter()
             try:
                 results = generate(model, impl, prompts, args.new_tokens, cb_kwargs)
@@ -182,6 +190,10 @@ def run_one(model, impl, prompts, warmup_prompts, args, cb_kwargs) -> dict:
                     restore()
             if not last:
                 row.setdefault("untimed_passes_s", []).append(time.perf_counter() - started)
+            if errors is not None:
+                row["check_against_reference"] = check_summary(errors)
+                print(f"{impl}: every attention call of pass 1 against the reference backend: "
+                      f"{row['check_against_reference']}", flush=True)
         if times is not None:
             row["attention_host"] = host_summary(times)
             print(f"{impl}: attention calls' host time {row['attention_host']}", flush=True)
@@ -218,6 +230,36 @@ def timed_attention(impl: str):
 
     mapping[key] = timed
     return times, lambda: mapping.__setitem__(key, original)
+
+
+def checked_attention(impl: str):
+    """Wrap ``impl``'s attention function (``paged|pagedprefill``) so that every call is also run on the reference
+    backend on the same inputs (:func:`pagedprefill.integrations.transformers.calls_on`) and compared with it
+    within the conformance tolerance of the output's dtype. Returns the list the comparisons go to and a function
+    that puts the original back."""
+    import transformers
+    from pagedprefill.cli.bench import output_error
+    from pagedprefill.integrations.transformers import calls_on, paged_attention_forward
+
+    mapping = transformers.AttentionInterface._global_mapping
+    original, errors = mapping[impl], []
+
+    def checked(*args, **kwargs):
+        out, weights = original(*args, **kwargs)
+        with calls_on("reference"):
+            expected, _ = paged_attention_forward(*args, **kwargs)
+        errors.append(output_error(out, expected.float()))
+        return out, weights
+
+    mapping[impl] = checked
+    return errors, lambda: mapping.__setitem__(impl, original)
+
+
+def check_summary(errors: list[dict]) -> dict:
+    """Calls compared, how many were beyond the tolerance, and the largest errors."""
+    return {"calls": len(errors), "beyond_tolerance": sum(not e["within_tolerance"] for e in errors),
+            "max_rel_l2": max((e.get("rel_l2", float("inf")) for e in errors), default=None),
+            "max_abs_err": max((e.get("max_abs_err", float("inf")) for e in errors), default=None)}
 
 
 #: A call whose host time passes this compiled a kernel or waited for the GPU.

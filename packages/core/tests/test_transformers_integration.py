@@ -37,7 +37,7 @@ import types
 
 import pytest
 import torch
-from pagedprefill import UnsupportedFeatureError
+from pagedprefill import BackendUnavailableError, UnsupportedFeatureError
 from pagedprefill.integrations import transformers as integration
 from pagedprefill.testing.interpreted import run_interpreted
 
@@ -388,6 +388,22 @@ def test_a_direct_call_matches_the_reference_and_writes_the_cache():
     values = v[0].repeat_interleave(2, dim=0)
     dense = torch.nn.functional.scaled_dot_product_attention(q[0], keys, values, is_causal=True, scale=0.25)
     torch.testing.assert_close(out[0], dense.transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+def test_calls_on_names_a_backend_for_the_block_only(tr, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # generic then cannot run on the CPU
+    module, q, k, v, kwargs = _direct_arguments()
+    integration.register(backend="generic")
+    try:
+        with integration.calls_on("reference"):
+            out, _ = integration.paged_attention_forward(module, q, k, v, None, **kwargs)
+        keys, values = k[0].repeat_interleave(2, dim=0), v[0].repeat_interleave(2, dim=0)
+        dense = torch.nn.functional.scaled_dot_product_attention(q[0], keys, values, is_causal=True, scale=0.25)
+        torch.testing.assert_close(out[0], dense.transpose(0, 1), atol=1e-5, rtol=1e-5)
+        with pytest.raises(BackendUnavailableError, match="generic"):
+            integration.paged_attention_forward(module, q, k, v, None, **kwargs)
+    finally:
+        integration.register()
 
 
 # ----------------------------------------------------------------------------------------------------------- #

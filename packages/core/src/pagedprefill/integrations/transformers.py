@@ -54,8 +54,9 @@ on which the rolling buffer is a plain block table). Anything pagedprefill canno
 
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -64,7 +65,7 @@ from ..errors import BackendUnavailableError, UnsupportedFeatureError
 from ..validation import MAX_HEAD_SIZE
 from ..vllm import context_attention_fwd
 
-__all__ = ["ATTN_IMPLEMENTATION", "INSTALL_HINT", "paged_attention_forward", "register"]
+__all__ = ["ATTN_IMPLEMENTATION", "INSTALL_HINT", "calls_on", "paged_attention_forward", "register"]
 
 #: The name :func:`register` gives this implementation in ``transformers.AttentionInterface``.
 ATTN_IMPLEMENTATION = "paged|pagedprefill"
@@ -125,6 +126,26 @@ def register(backend: BackendChoice = None) -> str:
     for name in (ATTN_IMPLEMENTATION, ATTN_IMPLEMENTATION.removeprefix("paged|")):
         transformers.AttentionInterface.register(name, paged_attention_forward)
     return ATTN_IMPLEMENTATION
+
+
+@contextlib.contextmanager
+def calls_on(backend: BackendChoice) -> Iterator[None]:
+    """Within the block, every call of :func:`paged_attention_forward` names ``backend`` instead of
+    :func:`register`'s choice; that choice again afterwards. With ``"reference"`` this runs a layer's attention
+    on the float32-accumulating oracle, on the very inputs a model gave it, to check the backend's answer::
+
+        out, _ = paged_attention_forward(module, q, k, v, None, **kwargs)
+        with calls_on("reference"):
+            expected, _ = paged_attention_forward(module, q, k, v, None, **kwargs)
+
+    (writing the step's keys and values into the cache twice writes the same values).
+    """
+    chosen = _settings["backend"]
+    _settings["backend"] = backend
+    try:
+        yield
+    finally:
+        _settings["backend"] = chosen
 
 
 def paged_attention_forward(
