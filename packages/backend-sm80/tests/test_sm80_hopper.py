@@ -139,7 +139,7 @@ def test_a_launch_passes_cores_groups_and_the_kernels_tile_layout_and_schedule(c
     from tensors)
     and its own: five TMA descriptors at ``DESCRIPTORS``, its strides, and its tile, cache layout and resolved
     schedule as one constexpr each; under ``PINGPONG`` the launch's warps are the first consumer warpgroup's."""
-    from pagedprefill.triton.arguments import Batch, Cache, Extents, Partials, PerHead, ScaleTensors, Tokens
+    from pagedprefill.triton.arguments import Batch, Cache, Partials, PerHead, ScaleTensors, Tokens
     from pagedprefill.triton.launch import call_extents, call_features, scale_arguments
     from pagedprefill_sm80.hopper.arguments import Layout, Strides, Tile
     from pagedprefill_sm80.hopper.launch import DESCRIPTORS
@@ -159,9 +159,9 @@ def test_a_launch_passes_cores_groups_and_the_kernels_tile_layout_and_schedule(c
     assert call.tensors[6].key.data_ptr() == problem.cache.key.data_ptr()
     assert call.tensors[6].key.dtype == (problem.cache.dtype.torch_dtype if problem.cache.dtype.is_fp8
                                          else problem.q.dtype)  # an FP8 cache as the type it stores
-    qk_scale, scales, softcap, window, extents, strides = call.scalars
+    qk_scale, scales, softcap, window, *extents, strides = call.scalars
     assert (scales, call.constexprs["SCALE_FROM_TENSOR"]) == scale_arguments(problem)
-    assert extents == call_extents(problem) and isinstance(extents, Extents) and isinstance(strides, Strides)
+    assert tuple(extents) == call_extents(problem) and isinstance(strides, Strides)
     assert (softcap, window) == (problem.options.softcap, problem.options.sliding_window or 0)
     assert strides.q == (problem.q.stride(0), problem.q.stride(1)) and strides.table_seq == \
         problem.batch.block_table.stride(0)
@@ -1509,3 +1509,21 @@ def compile_split_merge() -> dict:
     code = sass(compiled)
     return {**summarize(compiled, 90).to_dict(), "atomics": None if code is None else len(re.findall(r"\bATOMG?\.",
                                                                                                       code))}
+
+
+def test_the_steps_of_a_model_share_one_compiled_kernel_per_tile():
+    """The Hopper kernel is not specialised on a call's extents (sequences, token rows, cache blocks, table
+    columns), which change with every step of a serving engine: steps of one sequence or many, of 1, 16 or 37
+    tokens, bind it the same way (Triton's binder, no GPU), so they share one compiled kernel per tile."""
+    from pagedprefill.triton.arguments import VARYING_EXTENTS
+    from pagedprefill.triton.codegen import argument_specialization
+    from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
+
+    steps = [((1,), (5,)), ((1,) * 16, tuple(range(3, 19))), ((35, 1, 1), (0, 40, 9)), ((16,), (240,))]
+    answers = []
+    for query_lens, context_lens in steps:
+        problem = make_problem(SPEC.replace(query_lens=query_lens, context_lens=context_lens, kv_in_cache=True))
+        s = problem_shape(problem)
+        answers.append(argument_specialization(hopper_prefill_kernel, kernel_call(problem, hopper_config(s), s)))
+    for name in VARYING_EXTENTS:
+        assert len({answer[name] for answer in answers}) == 1, (name, [answer[name] for answer in answers])

@@ -23,6 +23,7 @@ numbers are clamped, and query rows outside ``q`` are masked, so inconsistent me
 outside the caller's tensors.
 """
 
+from pagedprefill.triton.arguments import VARYING_EXTENTS
 from pagedprefill.triton.blocks import program_tile, split_tiles, tile_rows, tile_sequence, visible_keys
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -155,10 +156,10 @@ def key_walk(cfg, rows, window, table_width, num_blocks):
     return KeyWalk(cache_start, cache_tiles, new_start, new_tiles, ctx_len + tok0, full_from)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=VARYING_EXTENTS)
 def hopper_prefill_kernel(
     tokens, k_cache, v_cache, k_new, v_new, v_cache_t, cache, batch, per_head, scale_tensors, partials, arrivals,
-    qk_scale, scales, softcap, window, extents, strides,
+    qk_scale, scales, softcap, window, num_seqs, num_tokens, num_blocks, table_width, block_size, group_size, strides,
     TILE: gl.constexpr, LAYOUT: gl.constexpr, FEATURES: gl.constexpr, SCALE_FROM_TENSOR: gl.constexpr,
     SCHEDULE: gl.constexpr,
 ):
@@ -176,22 +177,21 @@ def hopper_prefill_kernel(
     HEAD_SIZE: gl.constexpr = LAYOUT.HEAD_SIZE
     BLOCK_M: gl.constexpr = TILE.BLOCK_M
     tile = program_tile(gl.program_id(0), gl.num_programs(0), SCHEDULE.HEAVY_FIRST)
-    seq, tok0, seq_row0, ctx_len, q_len, done = tile_sequence(tile, batch[0], batch[1], batch[2], extents.num_seqs,
+    seq, tok0, seq_row0, ctx_len, q_len, done = tile_sequence(tile, batch[0], batch[1], batch[2], num_seqs,
                                                               cfg.TOKENS_PER_TILE, FEATURES.SKIP_DECODE,
                                                               FEATURES.CONTEXT_FROM_STARTS)
     if done:
         return
     kv_head = gl.program_id(1) // TILE.HEAD_CHUNKS
     chunk = gl.program_id(1) % TILE.HEAD_CHUNKS
-    num_tokens = extents.num_tokens
-    rows = TileRows(tok0, kv_head, chunk, extents.group_size, seq_row0, num_tokens, ctx_len, q_len)
+    rows = TileRows(tok0, kv_head, chunk, group_size, seq_row0, num_tokens, ctx_len, q_len)
 
     # Rows of the tile: (token, head) pairs, read from q with ordinary loads (any strides, any packing).
     Q = tokens[0]
     load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [cfg.CONSUMER_WARPS, 1], [1, 0])
     offs_m = gl.arange(0, BLOCK_M, gl.SliceLayout(1, load_layout))
     offs_d = gl.arange(0, HEAD_SIZE, gl.SliceLayout(0, load_layout))
-    head, q_rows, row_ok, _ = tile_rows(offs_m, tok0, kv_head, chunk, extents.group_size, seq_row0, ctx_len, q_len,
+    head, q_rows, row_ok, _ = tile_rows(offs_m, tok0, kv_head, chunk, group_size, seq_row0, ctx_len, q_len,
                                         num_tokens, TILE.HEADS_PER_TILE, cfg.TOKENS_PER_TILE)
     q_off = (gl.expand_dims(q_rows.to(gl.int64) * strides.q.token + head.to(gl.int64) * strides.q.head, 1)
              + gl.expand_dims(offs_d, 0))
@@ -205,7 +205,6 @@ def hopper_prefill_kernel(
     if not SCHEDULE.FP8_SCORES:  # an FP8 q is widened exactly, its descale in the logits' scale
         q = q.to(dtype)
 
-    table_width, num_blocks = extents.table_width, extents.num_blocks
     walk = key_walk(cfg, rows, window, table_width, num_blocks)
 
     q_smem = gl.allocate_shared_memory(q.dtype, [BLOCK_M, HEAD_SIZE],

@@ -292,7 +292,7 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: ProblemShape
                       p.cache.dtype.is_fp8, FP8_E4M3_MAX),
         FEATURES=call_features(p), SCALE_FROM_TENSOR=scale_from_tensor, SCHEDULE=kernel_schedule,
     )
-    scalars = (qk_scale, scales, softcap, opts.sliding_window or 0, call_extents(p), _strides(p))
+    scalars = (qk_scale, scales, softcap, opts.sliding_window or 0, *call_extents(p), _strides(p))
     # Under PINGPONG the launch's warps are the default partition's: the first consumer warpgroup.
     warps = config.num_warps // 2 if kernel_schedule.PINGPONG else config.num_warps
     grid = launch_grid(shape, config)

@@ -93,7 +93,8 @@ class Scales(NamedTuple):
 
 class Extents(NamedTuple):
     """Sizes that bound every index: sequences, token rows, cache blocks, block-table columns, keys per block,
-    and query heads per KV head."""
+    and query heads per KV head. The kernels take them as separate arguments, in this order (Triton specialises
+    every integer inside a tuple argument, whatever the kernel asks)."""
 
     num_seqs: int
     num_tokens: int
@@ -101,6 +102,12 @@ class Extents(NamedTuple):
     table_width: int
     block_size: int
     group_size: int
+
+
+#: The extents that change with every step of a serving engine. Triton would key a kernel's compiled code on each
+#: one's value class (1, a multiple of 16, other) and compile again for each new pattern, while none of them
+#: changes an instruction of the code (ci/codegen_fingerprint.py): the kernels do not specialise them.
+VARYING_EXTENTS = ("num_seqs", "num_tokens", "num_blocks", "table_width")
 
 
 class RowStrides(NamedTuple):

@@ -91,6 +91,20 @@ def compile_call(kernel, call, capability: int = 90):
                           options=options.__dict__)
 
 
+def argument_specialization(kernel, call, capability: int = 90) -> dict:
+    """How Triton specialises each argument of ``kernel`` (a Triton or Gluon JIT function) for the launch ``call``,
+    by parameter name: the type and the value class it keys its compiled kernels on (an integer equal to 1 becomes a
+    constant, one divisible by 16 is marked so). Two launches whose answers differ compile twice; no GPU needed."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(GPUTarget("cuda", capability, 32))
+    bind = create_function_from_signature(kernel.signature, kernel.params, backend)
+    _, specialization, _ = bind(*call.args, **call.kwargs)
+    return {param.name: str(spec) for param, spec in zip(kernel.params, specialization)}
+
+
 def _bundled_tool(name: str) -> Optional[str]:
     """The path of one of the NVIDIA tools that ship with Triton (``ptxas``, ``nvdisasm``), or None."""
     import triton

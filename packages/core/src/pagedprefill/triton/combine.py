@@ -12,13 +12,14 @@ the kernel that attends (core's or a backend's own) and the output agree on it t
 import triton
 import triton.language as tl
 
+from .arguments import VARYING_EXTENTS
 from .blocks import LOG2E, partial_index, round_to_fp8_e4m3, scalar_or_load, tile_rows, tile_sequence
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING_EXTENTS)
 def combine_splits_kernel(
     tokens, batch, per_head, scale_tensors, partials,
-    out_scale, extents, out_strides,
+    out_scale, num_seqs, num_tokens, num_blocks, table_width, block_size, group_size, out_strides,
     HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr, TILE: tl.constexpr, FEATURES: tl.constexpr,
     OUT_SCALE_FROM_TENSOR: tl.constexpr, OUT_MAX: tl.constexpr,
 ):
@@ -29,19 +30,18 @@ def combine_splits_kernel(
     HEADS_PER_TILE: tl.constexpr = TILE.HEADS_PER_TILE
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // HEADS_PER_TILE
     KEY_SPLITS: tl.constexpr = TILE.KEY_SPLITS
-    num_tokens = extents.num_tokens
     seq, tok0, seq_row0, ctx_len, q_len, done = tile_sequence(tl.program_id(0), batch.query_start, batch.seq_lens,
-                                                              batch.context_lens, extents.num_seqs, TOKENS_PER_TILE,
+                                                              batch.context_lens, num_seqs, TOKENS_PER_TILE,
                                                               FEATURES.SKIP_DECODE, FEATURES.CONTEXT_FROM_STARTS)
     if done:
         return
     kv_head = tl.program_id(1) // TILE.HEAD_CHUNKS
     chunk = tl.program_id(1) % TILE.HEAD_CHUNKS
     offs_m = tl.arange(0, BLOCK_M)
-    head, q_rows, row_ok, _ = tile_rows(offs_m, tok0, kv_head, chunk, extents.group_size, seq_row0, ctx_len, q_len,
+    head, q_rows, row_ok, _ = tile_rows(offs_m, tok0, kv_head, chunk, group_size, seq_row0, ctx_len, q_len,
                                         num_tokens, HEADS_PER_TILE, TOKENS_PER_TILE)
     row_ok = row_ok & (seq_row0 >= 0)
-    num_heads = (tl.num_programs(1) // TILE.HEAD_CHUNKS) * extents.group_size
+    num_heads = (tl.num_programs(1) // TILE.HEAD_CHUNKS) * group_size
 
     top = tl.full([BLOCK_M], float("-inf"), tl.float32)
     for split in range(KEY_SPLITS):

@@ -16,6 +16,7 @@ from collections import namedtuple
 import triton
 import triton.language as tl
 
+from .arguments import VARYING_EXTENTS
 from .blocks import (
     FP8_E4M3_MAX,
     LOG2E,
@@ -148,10 +149,11 @@ def new_token_keys(lo, ctx_len, q_len, tok0, tok_last, seq_row0, num_tokens, BLO
     return start, end, full_to, in_bounds_len
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING_EXTENTS)
 def prefix_prefill_kernel(
     tokens, cache, batch, per_head, scale_tensors, partials,
-    scales, softcap, window, extents, token_strides, cache_strides,
+    scales, softcap, window, num_seqs, num_tokens, num_blocks, table_width, block_size, group_size, token_strides,
+    cache_strides,
     HEAD_SIZE: tl.constexpr, HEAD_SIZE_PADDED: tl.constexpr, TILE: tl.constexpr, LAYOUT: tl.constexpr,
     FEATURES: tl.constexpr, SCALE_FROM_TENSOR: tl.constexpr,
 ):
@@ -164,10 +166,9 @@ def prefix_prefill_kernel(
     NEW_KV_IN_CACHE: tl.constexpr = FEATURES.NEW_KV_IN_CACHE
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // HEADS_PER_TILE
     EVEN_D: tl.constexpr = HEAD_SIZE == HEAD_SIZE_PADDED
-    num_tokens = extents.num_tokens
     SKIP_DECODE: tl.constexpr = FEATURES.SKIP_DECODE
     seq, tok0, seq_row0, ctx_len, q_len, done = tile_sequence(tl.program_id(0), batch.query_start, batch.seq_lens,
-                                                              batch.context_lens, extents.num_seqs, TOKENS_PER_TILE,
+                                                              batch.context_lens, num_seqs, TOKENS_PER_TILE,
                                                               SKIP_DECODE, FEATURES.CONTEXT_FROM_STARTS)
     if done:
         return
@@ -177,7 +178,7 @@ def prefix_prefill_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_SIZE_PADDED)
     d_mask = offs_d < HEAD_SIZE
-    head, q_rows, row_ok, q_pos = tile_rows(offs_m, tok0, kv_head, chunk, extents.group_size, seq_row0, ctx_len,
+    head, q_rows, row_ok, q_pos = tile_rows(offs_m, tok0, kv_head, chunk, group_size, seq_row0, ctx_len,
                                             q_len, num_tokens, HEADS_PER_TILE, TOKENS_PER_TILE)
     # A sequence whose first row is negative reads no new key (``in_bounds_len`` below): none of its rows is
     # written, as a row without any key would be 0 / 0.
@@ -220,11 +221,10 @@ def prefix_prefill_kernel(
     lo, full_from, c_end, full_to, kv_len = visible_keys(ctx_len, q_len, tok0, tok_last, window, CAUSAL, WINDOW,
                                                          NEW_KV_IN_CACHE)
     table_row = cache.block_table + seq.to(tl.int64) * cache_strides.table.seq
-    table_width, num_blocks = extents.table_width, extents.num_blocks
     if LAYOUT.PAGEWISE:
         page_size = LAYOUT.PAGE_SIZE
     else:
-        page_size = extents.block_size
+        page_size = block_size
     paged = PagedCache(cache.key, cache.value, table_row, cache_strides.table.col, table_width, num_blocks, page_size,
                        key_strides, value_strides)
     c_start = (lo // BLOCK_N) * BLOCK_N
@@ -277,7 +277,7 @@ def prefix_prefill_kernel(
     acc, m_i, l_i = state
     if KEY_SPLITS > 1:
         # The combine launch (:mod:`.combine`) adds the sinks, normalises across the splits and stores the output.
-        num_heads = (tl.num_programs(1) // TILE.HEAD_CHUNKS) * extents.group_size
+        num_heads = (tl.num_programs(1) // TILE.HEAD_CHUNKS) * group_size
         part, lse = partial_rows(acc, m_i, l_i)
         index = partial_index(tl.program_id(2), q_rows, head, num_tokens, num_heads)
         tl.store(partials.lse + index, lse, mask=row_ok)

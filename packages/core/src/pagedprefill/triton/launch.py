@@ -220,7 +220,7 @@ def combine_call(problem: PrefillProblem, config: TileConfig, tensors: tuple, gr
                       OUT_SCALE_FROM_TENSOR=scale_from_tensor.OUT, OUT_MAX=FP8_E4M3_MAX)
     return KernelCall((grid[0], grid[1], 1), (Tokens(*tokens), Batch(*batch), PerHead(*per_head),
                                               ScaleTensors(*scale_tensors), Partials(*partials)),
-                      (scales.out, call_extents(p), _row_strides(p.out)), constexprs,
+                      (scales.out, *call_extents(p), _row_strides(p.out)), constexprs,
                       dict(num_warps=8 if config.block_m * min(padded_head_size(D), 128) > 8192 else 4, num_stages=1))
 
 
@@ -265,7 +265,7 @@ def kernel_call(problem: PrefillProblem, config: TileConfig, shape: Optional[Pro
     tensors = (Tokens(*tokens), cache, Batch(*batch), PerHead(*per_head), ScaleTensors(*scale_tensors),
                Partials(*partials))
     scalars = (
-        scales, float(opts.softcap), window or 0, call_extents(p),
+        scales, float(opts.softcap), window or 0, *call_extents(p),
         TokenStrides(_row_strides(q), _row_strides(p.k), _row_strides(p.v), _row_strides(p.out)),
         cache_strides,
     )
