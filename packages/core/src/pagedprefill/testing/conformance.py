@@ -18,12 +18,18 @@ the case as skipped with that reason.
 Options (registered by the pytest plugin): ``--pagedprefill-device`` (default: ``cuda`` when present,
 else ``cpu``), ``--pagedprefill-size`` (``small`` for the interpreter, ``large`` for GPUs),
 ``--pagedprefill-sweep`` (number of random cases in the sweep, run in :data:`SWEEP_PARTS` parts).
+
+In Triton's interpreter the suites of this repository's backends share the named, multi-tile and split-key
+cases they run with the same kernel and tile: one suite runs each, the others skip it naming that suite
+(:mod:`pagedprefill.testing.shared_runs`, :meth:`ConformanceSuite.shared_owner`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections import Counter
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 import pytest
 import torch
@@ -33,7 +39,7 @@ from ..backends.triton_base import TritonBackend
 from ..device import DeviceInfo, interpreter_enabled
 from ..features import check_runnable, missing_features
 from ..registry import UnsupportedFeatureError
-from ..tiling import problem_shape, settle
+from ..tiling import ProblemShape, TileConfig, problem_shape, settle
 from ..types import KVCacheDType, PrefillProblem
 from ..validation import validate_problem
 from ..workloads import BatchSpec, fresh_output, make_problem
@@ -53,9 +59,53 @@ from .cases import (
     split_key_spec,
 )
 from .memory_safety import LARGE, SPECS, check_corrupt_metadata
+from .shared_runs import SMOKE_CASES, describe_tile, earlier_suites, interpreted_tile, interpreter_device, shares_runs
 
 #: The random sweep runs as this many tests, so that parallel workers (pytest-xdist) share its compiles.
 SWEEP_PARTS = 8
+
+#: The tests whose cases the suites of :data:`~pagedprefill.testing.shared_runs.SHARED_SUITES` share in the
+#: interpreter (:meth:`ConformanceSuite.shared_owner`). The random sweep is not among them: each suite draws its
+#: own cases from what its backend runs, so two sweeps meet only by chance.
+CASE_TEST = "test_case_matches_reference"
+MULTI_TILE_TEST = "test_multi_tile_case_matches_reference"
+SPLIT_KEYS_TEST = "test_split_keys_case_matches_reference"
+SHARED_TESTS = (CASE_TEST, MULTI_TILE_TEST, SPLIT_KEYS_TEST)
+
+#: ``change(config, shape)``: a tile a test runs instead of the policy's (None: the policy's own).
+TileChange = Optional[Callable[[TileConfig, ProblemShape], TileConfig]]
+
+
+def small_tile(config: TileConfig, shape: ProblemShape) -> TileConfig:
+    """The multi-tile cases' tile: the policy's ``config`` with :data:`~pagedprefill.testing.cases.SMALL_TILE`'s
+    rows and keys, settled for ``shape``."""
+    heads = min(config.heads_per_tile, SMALL_TILE["block_m"] // 2)
+    return settle(config.with_(**SMALL_TILE, heads_per_tile=heads, num_stages=min(config.num_stages, 2)), shape)
+
+
+def keys_split(splits: int) -> Callable[[TileConfig, ProblemShape], TileConfig]:
+    """The split-key cases' tile change: the policy's tile with each query tile's keys shared by ``splits``
+    programs."""
+    return lambda config, shape: config.with_(key_splits=splits)
+
+
+@contextlib.contextmanager
+def tiles_changed(backend: TritonBackend, change: TileChange) -> Iterator[None]:
+    """Within the block ``backend`` runs ``change(its policy's tile, shape)`` for every call (nothing changes
+    when ``change`` is None); its own tiles are back after it."""
+    if change is None:
+        yield
+        return
+    own = vars(backend).get("tile_config")
+    policy_tile = backend.tile_config
+    backend.tile_config = lambda shape, device: change(policy_tile(shape, device), shape)
+    try:
+        yield
+    finally:
+        if own is None:
+            del backend.tile_config
+        else:
+            backend.tile_config = own
 
 
 class ConformanceSuite:
@@ -150,38 +200,106 @@ class ConformanceSuite:
         atol, rtol = self.tolerances[spec.dtype]
         assert_matches_reference(out, problem, atol, rtol, label=f"{label} [{spec.describe()}]")
 
+    def runs(self, test: str, case: str, size: str, splits: Optional[int] = None) -> list[tuple[BatchSpec, TileChange]]:
+        """The batches the shared test ``test`` (one of :data:`SHARED_TESTS`) computes for ``case`` (with
+        ``splits`` for the split-key test) at ``size``, each with the change the test makes to the policy's
+        tile."""
+        if test == CASE_TEST:
+            return [(self.case_spec(case, size, seed), None) for seed in self.seeds]
+        if test == MULTI_TILE_TEST:  # the lengths, not the data, make these cases: one seed is enough
+            return [(multi_tile_spec(case, seed), small_tile) for seed in self.seeds[:1]]
+        if test == SPLIT_KEYS_TEST:
+            return [(split_key_spec(case, seed=0), keys_split(splits))]
+        raise ValueError(f"test: expected one of {', '.join(SHARED_TESTS)}, got {test!r}")
+
+    def launches(self, test: str, case: str, device: torch.device, size: str,
+                 splits: Optional[int] = None) -> Optional[tuple]:
+        """What ``test`` runs for ``case`` on ``device`` (see :meth:`runs`): for each batch ``(batch, kernel,
+        tile)``, the tile as the kernel receives it in Triton's interpreter
+        (:func:`~pagedprefill.testing.shared_runs.interpreted_tile`); None when the test skips the case or the
+        backend refuses it. Decided without running anything."""
+        backend = get_registry().get(self.backend)
+        if not isinstance(backend, TritonBackend):
+            return None
+        found = []
+        for spec, change in self.runs(test, case, size, splits):
+            if self._skip_reason(spec, device, case if test == CASE_TEST else None):
+                return None
+            problem = _batch(spec, device)
+            if missing_features(backend, problem):
+                return None
+            info = self.device_info(device)
+            try:
+                check_runnable(backend, problem, info)
+            except UnsupportedFeatureError:
+                return None
+            with tiles_changed(backend, change):
+                route, config, _ = backend.route_for(problem, info)
+            found.append((spec, route.name, interpreted_tile(config)))
+        return tuple(found)
+
+    def shared_owner(self, test: str, case: str, device: torch.device, size: str,
+                     splits: Optional[int] = None) -> Optional[tuple[str, tuple]]:
+        """``(backend, its launches)``: the earlier suite of
+        :data:`~pagedprefill.testing.shared_runs.SHARED_SUITES` that runs ``case`` of ``test`` with the same
+        kernel and tiles as this suite (:meth:`launches`), so that this one need not; None when this suite runs
+        it: on a GPU, outside the table, for the smoke cases, and where no earlier suite's tiles are the same.
+
+        Every suite decides alike from the backends' policies, whichever suites a session collects: the earlier
+        suites' launches are computed from their backends (:func:`shared_suite`). So that this holds, the
+        suite's own launches must be the ones that view gives it; an ``AssertionError`` says where not."""
+        if not shares_runs(self.backend, device) or (test == CASE_TEST and case in SMOKE_CASES):
+            return None
+        own = self.launches(test, case, device, size, splits)
+        seen = shared_suite(self.backend).launches(test, case, device, size, splits)
+        if own != seen:
+            raise AssertionError(
+                f"{self.backend}'s suite runs {test}[{case}] as {own}, but the suites it shares runs with see "
+                f"{seen} (core's cases on the device of pagedprefill.testing.shared_runs.SHARED_SUITES): make "
+                "them agree, or the others may skip a run for this suite that it does not make")
+        if own is None:
+            return None
+        for other in earlier_suites(self.backend):
+            if shared_suite(other).launches(test, case, device, size, splits) == own:
+                return other, own
+        return None
+
+    def _skip_if_shared(self, test: str, case: str, device: torch.device, size: str,
+                        splits: Optional[int] = None) -> None:
+        """Skip the running test, naming the suite that runs it, when :meth:`shared_owner` finds one."""
+        shared = self.shared_owner(test, case, device, size, splits)
+        if shared is None:
+            return
+        owner, launches = shared
+        tiles = "; ".join(dict.fromkeys(f"{kernel} kernel: {describe_tile(tile)}" for _, kernel, tile in launches))
+        param = case if splits is None else f"{case}-{splits}"
+        pytest.skip(f"same kernel and tile in Triton's interpreter as {owner}'s {test}[{param}], which {owner}'s "
+                    f"suite runs ({tiles}); on a GPU it runs here too")
+
     @pytest.mark.parametrize("case", sorted(CASES))
     def test_case_matches_reference(self, case, pagedprefill_device, pagedprefill_size):
-        for seed in self.seeds:
-            spec = self.case_spec(case, pagedprefill_size, seed)
+        self._skip_if_shared(CASE_TEST, case, pagedprefill_device, pagedprefill_size)
+        for spec, _ in self.runs(CASE_TEST, case, pagedprefill_size):
             reason = self._skip_reason(spec, pagedprefill_device, case)
             if reason:
                 pytest.skip(reason)
-            self._check(spec, pagedprefill_device, f"{self.backend}/{case}/seed={seed}")
+            self._check(spec, pagedprefill_device, f"{self.backend}/{case}/seed={spec.seed}")
 
     @pytest.mark.parametrize("case", sorted(MULTI_TILE_CASES))
-    def test_multi_tile_case_matches_reference(self, case, pagedprefill_device, monkeypatch):
+    def test_multi_tile_case_matches_reference(self, case, pagedprefill_device, pagedprefill_size):
         """Windows, ALiBi, sinks and the optional features over contexts of several key tiles, with the tile
         forced small (:data:`~pagedprefill.testing.cases.SMALL_TILE`): window tile skipping, the mask-free
         middle tiles and every edge tile are reached even in the interpreter's small batches."""
         backend = get_registry().get(self.backend)
         if not isinstance(backend, TritonBackend):
             pytest.skip(f"backend {self.backend!r} has no tiles to force; its conformance cases cover it")
-        policy_tile = backend.tile_config
-
-        def small_tile(shape, device):
-            config = policy_tile(shape, device)
-            heads = min(config.heads_per_tile, SMALL_TILE["block_m"] // 2)
-            return settle(config.with_(**SMALL_TILE, heads_per_tile=heads, num_stages=min(config.num_stages, 2)),
-                          shape)
-
-        monkeypatch.setattr(backend, "tile_config", small_tile)  # undone after the test
-        for seed in self.seeds[:1]:  # the lengths, not the data, make these cases: one seed is enough
-            spec = multi_tile_spec(case, seed)
+        self._skip_if_shared(MULTI_TILE_TEST, case, pagedprefill_device, pagedprefill_size)
+        for spec, change in self.runs(MULTI_TILE_TEST, case, pagedprefill_size):
             reason = self._skip_reason(spec, pagedprefill_device)
             if reason:
                 pytest.skip(reason)
-            self._check(spec, pagedprefill_device, f"{self.backend}/multi_tile/{case}/seed={seed}")
+            with tiles_changed(backend, change):
+                self._check(spec, pagedprefill_device, f"{self.backend}/multi_tile/{case}/seed={spec.seed}")
 
     @pytest.mark.parametrize("case", sorted(CASES))
     def test_unsplit_case_matches_reference(self, case, pagedprefill_device, pagedprefill_size, monkeypatch):
@@ -204,21 +322,20 @@ class ConformanceSuite:
 
     @pytest.mark.parametrize("splits", SPLIT_KEY_COUNTS)
     @pytest.mark.parametrize("case", sorted(SPLIT_KEY_CASES))
-    def test_split_keys_case_matches_reference(self, case, splits, pagedprefill_device, monkeypatch):
+    def test_split_keys_case_matches_reference(self, case, splits, pagedprefill_device, pagedprefill_size):
         """Each query tile's keys shared by ``splits`` programs (``TileConfig.key_splits``, on the policy's own
         tile, whichever kernel it names) and merged by the combine launch: the same rows as one program per
         tile, through the first run and the plan's."""
         backend = get_registry().get(self.backend)
         if not isinstance(backend, TritonBackend):
             pytest.skip(f"backend {self.backend!r} has no tiles to split; its conformance cases cover it")
-        policy_tile = backend.tile_config
-        monkeypatch.setattr(backend, "tile_config",
-                            lambda shape, device: policy_tile(shape, device).with_(key_splits=splits))
-        spec = split_key_spec(case, seed=0)
-        reason = self._skip_reason(spec, pagedprefill_device)
-        if reason:
-            pytest.skip(reason)
-        self._check(spec, pagedprefill_device, f"{self.backend}/split_keys/{case}/x{splits}")
+        self._skip_if_shared(SPLIT_KEYS_TEST, case, pagedprefill_device, pagedprefill_size, splits)
+        for spec, change in self.runs(SPLIT_KEYS_TEST, case, pagedprefill_size, splits):
+            reason = self._skip_reason(spec, pagedprefill_device)
+            if reason:
+                pytest.skip(reason)
+            with tiles_changed(backend, change):
+                self._check(spec, pagedprefill_device, f"{self.backend}/split_keys/{case}/x{splits}")
 
     @pytest.mark.parametrize("batch", [*sorted(SPECS), "large"])
     def test_corrupt_metadata_stays_in_bounds(self, batch, pagedprefill_device):
@@ -302,3 +419,20 @@ class ConformanceSuite:
         if not checked:  # every case of this part was declared unsupported: say which, as a skip
             pytest.skip(f"part {part} of the sweep: all {len(seeds)} cases skipped: "
                         + "; ".join(f"{n} x {reason}" for reason, n in skipped.items()))
+
+
+@functools.lru_cache(maxsize=512)
+def _batch(spec: BatchSpec, device: torch.device) -> PrefillProblem:
+    """The batch of ``spec`` on ``device``, made once per process: :meth:`ConformanceSuite.launches` reads only
+    its shapes, types and options, and every suite asks for the same cases."""
+    return make_problem(spec, device)
+
+
+def shared_suite(backend: str) -> ConformanceSuite:
+    """The suite of ``backend`` (one of :data:`~pagedprefill.testing.shared_runs.SHARED_SUITES`) as the suites
+    it shares runs with see it: core's cases as written, its policy planning for the table's device."""
+    def device_info(self, device: torch.device) -> DeviceInfo:
+        return interpreter_device(backend, device)
+
+    return type(f"Shared{backend.title()}Suite", (ConformanceSuite,), {"backend": backend,
+                                                                       "device_info": device_info})()
