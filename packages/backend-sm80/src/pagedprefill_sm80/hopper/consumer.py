@@ -9,15 +9,8 @@ rows, so that the two do not wait for each other at every key tile and one's sof
 MMAs.
 """
 
-from pagedprefill.triton.blocks import (
-    LOG2E,
-    cached_length,
-    scalar_or_load,
-    scale_logits,
-    softmax_step,
-    tile_rows,
-    visible,
-)
+from pagedprefill.triton.blocks import LOG2E, scalar_or_load, scale_logits, softmax_step, tile_rows
+from pagedprefill.triton.masks import cached_length, visible
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma

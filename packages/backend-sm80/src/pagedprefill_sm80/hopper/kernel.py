@@ -13,7 +13,7 @@ module of its own:
 This module composes them: it finds the tile's sequence and rows (core's tile order and schedule,
 :func:`~pagedprefill.triton.blocks.program_tile` and :func:`~pagedprefill.triton.blocks.tile_sequence`: heaviest
 tiles first under ``HEAVY_FIRST``), the key tiles it visits (core's
-:func:`~pagedprefill.triton.blocks.visible_keys`, cut into tiles), loads the Q tile, allocates the ring and its
+:func:`~pagedprefill.triton.masks.visible_keys`, cut into tiles), loads the Q tile, allocates the ring and its
 barriers, and starts the partitions. Arguments are core's groups and this kernel's own (:mod:`.arguments`); the
 partitions share :mod:`.state`'s aggregates. A head size that is not a power of two (96) runs on the next power of
 two, its boxes and copies reading the columns past the head as zeros.
@@ -23,7 +23,8 @@ numbers are clamped, and query rows outside ``q`` are masked, so inconsistent me
 outside the caller's tensors.
 """
 
-from pagedprefill.triton.blocks import program_tile, split_tiles, tile_rows, tile_sequence, visible_keys
+from pagedprefill.triton.blocks import program_tile, tile_rows, tile_sequence
+from pagedprefill.triton.masks import split_tiles, visible_keys
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
@@ -125,7 +126,7 @@ def key_walk(cfg, rows, window, table_width, num_blocks):
     """The key tiles the query tile visits (:class:`~.state.KeyWalk`): the cached prefix from the first tile
     the window reaches, then the new tokens up to the causal diagonal, or (their K/V in the cache) one cached
     walk over both. With split keys, this program's share of that walk (core's
-    :func:`~pagedprefill.triton.blocks.split_tiles`): the producer and the consumers walk it as they would a
+    :func:`~pagedprefill.triton.masks.split_tiles`): the producer and the consumers walk it as they would a
     whole one."""
     BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
     CAUSAL: gl.constexpr = cfg.FEATURES.CAUSAL
