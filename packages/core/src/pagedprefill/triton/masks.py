@@ -14,9 +14,11 @@ when their K/V are read from k/v, the new tokens, indexed from 0 among them. Eac
 holding it, so tiles line up with the cache's pages. Every key any row of the tile sees lies in a visited tile,
 and keys in a visited tile past the range, or that no row sees, are masked.
 
-The rule for masks: :func:`split_range` gives the mask-free middle of a range. It judges a tile mask-free only
-when every row of the tile sees every key in it, so skipping :func:`visible` there changes nothing; it may judge
-a tile masked when every pair is visible after all (a mask then costs time, never a result).
+The rule for masks, in two forms: :func:`split_range` (the mask-free middle of a range, for kernels that run it
+as a loop of its own) and :func:`walk_tile` (per tile, for a kernel with one loop over its tiles). Both
+judge a tile mask-free only when every row of the tile sees every key in it, so skipping :func:`visible` there
+changes nothing; both may judge a tile masked when every pair is visible after all (a mask then costs time,
+never a result).
 
 The kernels turn the ranges into tiles themselves (the first cached tile ``(lo // BLOCK_N) * BLOCK_N``, tile
 counts): one more inlined function there changes their compiled code even where its PTX instructions are the
@@ -77,7 +79,7 @@ def visible_keys(ctx_len, q_len, tok0, tok_last, window, CAUSAL: tl.constexpr, W
 
 @triton.jit
 def new_token_keys(lo, ctx_len, q_len, tok0, tok_last, seq_row0, num_tokens, BLOCK_N: tl.constexpr,
-                   CAUSAL: tl.constexpr, NEW_KV_IN_CACHE: tl.constexpr):
+                   CAUSAL: tl.constexpr, NEW_KV_IN_CACHE: tl.constexpr, IN_TENSORS: tl.constexpr = True):
     """The new tokens' keys a tile visits, indexed from 0 within the sequence: ``(start, end, full_to,
     in_bounds_len)``, a tile loop ``[start, end)`` from the ``BLOCK_N``-aligned tile holding key ``lo``
     (:func:`visible_keys`; index 0 when ``lo`` is in the context) up to the tile's last token ``tok_last``
@@ -87,7 +89,9 @@ def new_token_keys(lo, ctx_len, q_len, tok0, tok_last, seq_row0, num_tokens, BLO
     Whatever the metadata says, the keys read lie inside k/v: the rows from the sequence's first one to the
     tensors' end (none for a negative start), and the sequence's own count at most (``in_bounds_len``). Every
     loop over them starts at 0 or later and ends there, so each key index is in ``[0, in_bounds_len + BLOCK_N)``
-    (no int32 overflow: q would not fit in memory first) and one compare per key masks the rest.
+    (no int32 overflow: q would not fit in memory first) and one compare per key masks the rest. Without
+    ``IN_TENSORS`` the end is the metadata's, not cut to the tensors: for a kernel whose loads of new tokens are
+    bounded by the hardware (the Hopper kernel's TMA boxes).
     """
     start = (tl.maximum(lo - ctx_len, 0) // BLOCK_N) * BLOCK_N
     in_tensors = tl.where(seq_row0 >= 0, num_tokens - seq_row0, 0)
@@ -96,10 +100,16 @@ def new_token_keys(lo, ctx_len, q_len, tok0, tok_last, seq_row0, num_tokens, BLO
         end = start
         full_to = start
     elif CAUSAL:
-        end = tl.minimum(tl.maximum(tok_last + 1, 0), in_bounds_len)
+        if IN_TENSORS:
+            end = tl.minimum(tl.maximum(tok_last + 1, 0), in_bounds_len)
+        else:
+            end = tok_last + 1
         full_to = tl.minimum(tok0 + 1, in_tensors)
     else:
-        end = in_bounds_len
+        if IN_TENSORS:
+            end = in_bounds_len
+        else:
+            end = q_len
         full_to = tl.minimum(q_len, in_tensors)
     return start, end, full_to, in_bounds_len
 
@@ -140,6 +150,37 @@ def split_range(start, end, full_lo, full_hi, BLOCK_N: tl.constexpr):
     lo = start + tl.cdiv(tl.minimum(tl.maximum(full_lo, start) - start, hi - start), BLOCK_N) * BLOCK_N
     return lo, hi
 
+
+@triton.jit
+def walk_tile(it, cache_start, cache_tiles, new_start, ctx_len, q_len, kv_len, pos_first, full_from,
+              BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, NEW_KV_IN_CACHE: tl.constexpr):
+    """Tile ``it`` of a walk counted in tiles (``cache_tiles`` cached ones from position ``cache_start``, then
+    tiles of new tokens from index ``new_start`` among them), for a kernel that walks both in one loop:
+    ``(n0, key_end, needs_mask)``. Its keys are at positions ``[n0, n0 + BLOCK_N)``, those from ``key_end`` on
+    do not exist (``kv_len``, :func:`cached_length`, for a cached tile; the sequence's end for a new one).
+
+    ``needs_mask`` says the tile needs :func:`visible`: it reaches past ``key_end``, crosses the causal diagonal
+    of the tile's first query, at position ``pos_first`` (a key after it: only among the new tokens, or in a
+    cached walk that holds them), or starts below ``full_from``, the lowest key every row sees
+    (:func:`visible_keys`). A tile judged mask-free has every key below ``key_end``, inside every row's window
+    and, under a causal mask, at or before every row's position: every row sees all of it. The rule is
+    :func:`split_range`'s, per tile.
+    """
+    if it < cache_tiles:
+        n0 = cache_start + it * BLOCK_N
+        key_end = kv_len
+        needs_mask = n0 + BLOCK_N > kv_len
+        if NEW_KV_IN_CACHE and CAUSAL:
+            needs_mask = needs_mask | (n0 + BLOCK_N - 1 > pos_first)
+    else:
+        n0 = ctx_len + new_start + (it - cache_tiles) * BLOCK_N
+        key_end = ctx_len + q_len
+        needs_mask = n0 + BLOCK_N > key_end
+        if CAUSAL:
+            needs_mask = needs_mask | (n0 + BLOCK_N - 1 > pos_first)
+    if WINDOW:
+        needs_mask = needs_mask | (n0 < full_from)
+    return n0, key_end, needs_mask
 
 
 @triton.jit
