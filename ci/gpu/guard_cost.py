@@ -33,13 +33,14 @@ import tempfile
 from pathlib import Path
 
 #: (module, pattern, replacement, at least this many matches): the portable kernel's guards, as written in
-#: core's ``triton/blocks.py`` and ``triton/kernel.py`` (the Hopper kernel shares ``blocks``' row guard).
+#: core's ``triton/blocks.py``, ``triton/masks.py`` and ``triton/kernel.py`` (the Hopper kernel shares
+#: ``blocks``' row guard).
 GUARDS = [
     ("blocks", r"tl\.maximum\(tl\.minimum\((?P<col>.+?), table_width - 1\), 0\)",
      r"tl.minimum(\g<col>, table_width - 1)", 3),
     ("blocks", r"tl\.minimum\(tl\.maximum\((?P<v>\w+), 0\), last_block\)", r"\g<v>", 3),
     ("blocks", r"\n\s*row_ok = row_ok & \(q_rows >= 0\) & \(q_rows < num_tokens\)", "", 1),
-    ("kernel", r"in_bounds_len = tl\.maximum\(tl\.minimum\(q_len, in_tensors\), 0\)", "in_bounds_len = q_len", 1),
+    ("masks", r"in_bounds_len = tl\.maximum\(tl\.minimum\(q_len, in_tensors\), 0\)", "in_bounds_len = q_len", 1),
     ("kernel", r"\n\s*row_ok = row_ok & \(seq_row0 >= 0\)", "", 1),
 ]
 #: The Hopper kernel's own guards, in backend-sm80's ``hopper/loads.py`` (its block-table lookup).
@@ -50,8 +51,9 @@ HOPPER_GUARDS = [
 ]
 #: The Hopper kernel's modules, copied together into a package of their own (they import each other).
 HOPPER_MODULES = ("state", "loads", "epilogue", "consumer", "producer", "kernel")
+#: Core's modules with guards, copied without them; the kernels' imports of each are pointed at its copy.
+CORE_MODULES = ("blocks", "masks")
 BLOCKS_IMPORT = "from pagedprefill.triton.blocks import"
-UNGUARDED_BLOCKS_IMPORT = "from pagedprefill.triton._unguarded_blocks import"
 
 
 def _strip(sources: dict, guards: list) -> None:
@@ -74,17 +76,20 @@ def _import_copy(full_name: str, source: str, where: Path):
 
 def unguarded_kernels(with_hopper: bool) -> dict:
     """``{"portable": kernel, "hopper": kernel}``: the kernels compiled from copies of their sources without
-    :data:`GUARDS` (and :data:`HOPPER_GUARDS`), importing an unguarded copy of core's building blocks."""
+    :data:`GUARDS` (and :data:`HOPPER_GUARDS`), importing unguarded copies of core's building blocks and masks."""
     import pagedprefill.triton as package
 
     folder = Path(package.__file__).parent
-    sources = {name: (folder / f"{name}.py").read_text() for name in ("blocks", "kernel")}
+    sources = {name: (folder / f"{name}.py").read_text() for name in (*CORE_MODULES, "kernel")}
     _strip(sources, GUARDS)
-    sources["kernel"], count = re.subn(r"from \.blocks import", "from ._unguarded_blocks import", sources["kernel"])
-    if count != 1:
-        raise SystemExit("guard_cost: kernel.py no longer imports its building blocks with 'from .blocks import'")
+    for name in CORE_MODULES:
+        sources["kernel"], count = re.subn(rf"from \.{name} import", f"from ._unguarded_{name} import",
+                                           sources["kernel"])
+        if count != 1:
+            raise SystemExit(f"guard_cost: kernel.py no longer imports core's {name} with 'from .{name} import'")
     where = Path(tempfile.mkdtemp(prefix="pagedprefill-unguarded-"))
-    _import_copy(f"{package.__name__}._unguarded_blocks", sources["blocks"], where)
+    for name in CORE_MODULES:
+        _import_copy(f"{package.__name__}._unguarded_{name}", sources[name], where)
     kernels = {"portable": _import_copy(f"{package.__name__}._unguarded_kernel", sources["kernel"],
                                         where).prefix_prefill_kernel}
     if with_hopper:
@@ -94,7 +99,7 @@ def unguarded_kernels(with_hopper: bool) -> dict:
 
 def _unguarded_hopper(where: Path):
     """The Hopper kernel compiled from a copy of its modules without :data:`HOPPER_GUARDS`, importing the
-    unguarded copy of core's building blocks (the row guard it shares with the portable kernel)."""
+    unguarded copies of core's modules (the row guard it shares with the portable kernel)."""
     import importlib
 
     import pagedprefill_sm80.hopper as hopper
@@ -108,7 +113,10 @@ def _unguarded_hopper(where: Path):
     package.mkdir()
     (package / "__init__.py").write_text("")
     for name, text in sources.items():
-        (package / f"{name}.py").write_text(text.replace(BLOCKS_IMPORT, UNGUARDED_BLOCKS_IMPORT))
+        for core in CORE_MODULES:
+            text = text.replace(f"from pagedprefill.triton.{core} import",
+                                f"from pagedprefill.triton._unguarded_{core} import")
+        (package / f"{name}.py").write_text(text)
     sys.path.insert(0, str(where))
     return importlib.import_module("unguarded_hopper.kernel").hopper_prefill_kernel
 

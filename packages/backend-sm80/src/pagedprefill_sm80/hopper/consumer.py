@@ -9,15 +9,8 @@ rows, so that the two do not wait for each other at every key tile and one's sof
 MMAs.
 """
 
-from pagedprefill.triton.blocks import (
-    LOG2E,
-    cached_length,
-    scalar_or_load,
-    scale_logits,
-    softmax_step,
-    tile_rows,
-    visible,
-)
+from pagedprefill.triton.blocks import LOG2E, scalar_or_load, scale_logits, softmax_step, tile_rows
+from pagedprefill.triton.masks import cached_length, visible, walk_tile
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
@@ -56,7 +49,8 @@ def softmax_tile(cfg, scores, m_i, l_i, it, q_pos, alibi2, offs_n, rows, walk, k
                  p_layout: gl.constexpr, p_dtype: gl.constexpr):
     """One online-softmax step on the raw scores of key tile ``it`` of ``walk``: log2-domain logits, the masks
     only where the tile needs them (past the keys, the causal diagonal, the window's start), the running max and
-    sum, and P as the next MMA's operand. ``kv_len``: the positions the cache holds for the sequence. Under
+    sum, and P as the next MMA's operand (core's :func:`~pagedprefill.triton.masks.walk_tile` and
+    :func:`~pagedprefill.triton.masks.visible`). ``kv_len``: the positions the cache holds for the sequence. Under
     ``FUSED_SCALE`` (without softcap and ALiBi, which need the scaled scores) the scale is folded into each key's
     exponent.
 
@@ -67,20 +61,9 @@ def softmax_tile(cfg, scores, m_i, l_i, it, q_pos, alibi2, offs_n, rows, walk, k
     WINDOW: gl.constexpr = cfg.FEATURES.WINDOW
     SOFTCAP: gl.constexpr = cfg.FEATURES.SOFTCAP
     ALIBI: gl.constexpr = cfg.FEATURES.ALIBI
-    if it < walk.cache_tiles:
-        n0 = walk.cache_start + it * BLOCK_N
-        key_end = kv_len
-        needs_mask = n0 + BLOCK_N > kv_len
-        if cfg.FEATURES.NEW_KV_IN_CACHE and CAUSAL:
-            needs_mask = needs_mask | (n0 + BLOCK_N - 1 > walk.pos_first)
-    else:
-        n0 = rows.ctx_len + walk.new_start + (it - walk.cache_tiles) * BLOCK_N
-        key_end = rows.ctx_len + rows.q_len
-        needs_mask = n0 + BLOCK_N > key_end
-        if CAUSAL:
-            needs_mask = needs_mask | (n0 + BLOCK_N - 1 > walk.pos_first)
-    if WINDOW:
-        needs_mask = needs_mask | (n0 < walk.full_from)
+    n0, key_end, needs_mask = walk_tile(it, walk.cache_start, walk.cache_tiles, walk.new_start, rows.ctx_len,
+                                        rows.q_len, kv_len, walk.pos_first, walk.full_from, BLOCK_N, CAUSAL, WINDOW,
+                                        cfg.FEATURES.NEW_KV_IN_CACHE)
     k_pos = n0 + offs_n
     SCALE_IN_EXP: gl.constexpr = cfg.SCHEDULE.FUSED_SCALE and not SOFTCAP and not ALIBI
     scores = scale_logits(scores, k_pos, q_pos, alibi2, qk_scale, softcap, SOFTCAP, ALIBI, SCALE_IN_EXP)

@@ -12,9 +12,9 @@ module of its own:
 
 This module composes them: it finds the tile's sequence and rows (core's tile order and schedule,
 :func:`~pagedprefill.triton.blocks.program_tile` and :func:`~pagedprefill.triton.blocks.tile_sequence`: heaviest
-tiles first under ``HEAVY_FIRST``), the key tiles it visits (core's
-:func:`~pagedprefill.triton.blocks.visible_keys`, cut into tiles), loads the Q tile, allocates the ring and its
-barriers, and starts the partitions. Arguments are core's groups and this kernel's own (:mod:`.arguments`); the
+tiles first under ``HEAVY_FIRST``), the key tiles it visits (:func:`key_walk`: core's key ranges,
+:mod:`pagedprefill.triton.masks`, counted in tiles), loads the Q tile, allocates the ring and its barriers, and
+starts the partitions. Arguments are core's groups and this kernel's own (:mod:`.arguments`); the
 partitions share :mod:`.state`'s aggregates. A head size that is not a power of two (96) runs on the next power of
 two, its boxes and copies reading the columns past the head as zeros.
 
@@ -24,7 +24,8 @@ outside the caller's tensors.
 """
 
 from pagedprefill.triton.arguments import VARYING_EXTENTS
-from pagedprefill.triton.blocks import program_tile, split_tiles, tile_rows, tile_sequence, visible_keys
+from pagedprefill.triton.blocks import program_tile, tile_rows, tile_sequence
+from pagedprefill.triton.masks import new_token_keys, split_tiles, visible_keys
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
@@ -126,8 +127,14 @@ def key_walk(cfg, rows, window, table_width, num_blocks):
     """The key tiles the query tile visits (:class:`~.state.KeyWalk`): the cached prefix from the first tile
     the window reaches, then the new tokens up to the causal diagonal, or (their K/V in the cache) one cached
     walk over both. With split keys, this program's share of that walk (core's
-    :func:`~pagedprefill.triton.blocks.split_tiles`): the producer and the consumers walk it as they would a
-    whole one."""
+    :func:`~pagedprefill.triton.masks.split_tiles`): the producer and the consumers walk it as they would a
+    whole one.
+
+    The ranges are core's (:mod:`pagedprefill.triton.masks`, as the portable kernel's); the walk differs in its
+    form. The producer and the consumers count tiles in one loop, so each part is a first key and a number of
+    tiles (each tile then judged by core's :func:`~pagedprefill.triton.masks.walk_tile`); and the new tokens'
+    range is the metadata's, not cut to k/v (``IN_TENSORS`` off): their TMA boxes are bounds-checked by the
+    hardware."""
     BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
     CAUSAL: gl.constexpr = cfg.FEATURES.CAUSAL
     NEW_KV_IN_CACHE: gl.constexpr = cfg.FEATURES.NEW_KV_IN_CACHE
@@ -142,11 +149,8 @@ def key_walk(cfg, rows, window, table_width, num_blocks):
     new_start = 0
     new_tiles = 0
     if not NEW_KV_IN_CACHE:
-        new_start = (gl.maximum(lo - ctx_len, 0) // BLOCK_N) * BLOCK_N
-        if CAUSAL:
-            new_end = tok_last + 1
-        else:
-            new_end = q_len
+        new_start, new_end, _, _ = new_token_keys(lo, ctx_len, q_len, tok0, tok_last, rows.seq_row0, rows.num_tokens,
+                                                  BLOCK_N, CAUSAL, NEW_KV_IN_CACHE, False)
         new_tiles = gl.cdiv(gl.maximum(new_end - new_start, 0), BLOCK_N)
     if cfg.TILE.KEY_SPLITS > 1:
         cache_first, cache_tiles, new_first, new_tiles = split_tiles(cache_tiles, new_tiles, gl.program_id(2),

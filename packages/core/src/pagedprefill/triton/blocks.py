@@ -1,8 +1,9 @@
 """Triton building blocks of prefix-prefill attention, shared by every backend.
 
 Each function is one job: locate the program's work, address either cache layout, load a K/V tile from the
-paged cache or from the new tokens, turn raw scores into masked log2-domain logits, take one online-softmax
-step, and finish a row (sinks, normalisation, FP8 value scale).
+paged cache or from the new tokens, turn raw scores into log2-domain logits, take one online-softmax step,
+finish a row (sinks, normalisation, FP8 value scale), and hand a split's rows to the combine. Which keys a tile
+visits and which it masks are :mod:`.masks`'.
 
 Conventions: logits are kept in the log2 domain (``exp2`` with ``log2(e)`` folded into the scale); rows are
 (token, query head) pairs; every address is formed in 64-bit and clamped or masked by the tensor extents,
@@ -121,48 +122,6 @@ def tile_rows(offs_m, tok0, kv_head, chunk, group_size, seq_row0, ctx_len, q_len
     return head, q_rows, row_ok, q_pos
 
 
-@triton.jit
-def visible_keys(ctx_len, q_len, tok0, tok_last, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                 NEW_KV_IN_CACHE: tl.constexpr):
-    """The key positions a query tile of tokens ``tok0 .. tok_last`` (within its sequence) can see:
-    ``(lo, full_from, cache_end, cache_full_to, kv_len)``.
-
-    ``lo`` is the lowest key any row sees (0, or the window's start for the first row: tiles below it are never
-    visited) and ``full_from`` the lowest one every row sees (the window's start for the last row). The cached
-    walk covers ``[lo, cache_end)`` and every row sees all of ``[full_from, cache_full_to)`` in it; ``kv_len`` is
-    how many positions the cache holds for the sequence. With the new tokens' K/V already in the cache
-    (``NEW_KV_IN_CACHE``) the cached walk covers them too, up to the causal diagonal; otherwise it ends at the
-    context and the new tokens are a walk of their own.
-    """
-    pos_first = ctx_len + tok0
-    pos_last = ctx_len + tok_last
-    lo = 0
-    full_from = 0
-    if WINDOW:
-        lo = tl.maximum(pos_first - window + 1, 0)
-        full_from = tl.maximum(pos_last - window + 1, 0)
-    kv_len = cached_length(ctx_len, q_len, NEW_KV_IN_CACHE)
-    if NEW_KV_IN_CACHE:
-        if CAUSAL:
-            cache_end = pos_last + 1
-            cache_full_to = pos_first + 1
-        else:
-            cache_end = kv_len
-            cache_full_to = kv_len
-    else:
-        cache_end = ctx_len
-        cache_full_to = ctx_len
-    return lo, full_from, cache_end, cache_full_to, kv_len
-
-
-@triton.jit
-def cached_length(ctx_len, q_len, NEW_KV_IN_CACHE: tl.constexpr):
-    """How many key positions the cache holds for a sequence: its context, and its new tokens too when their
-    K/V were written to the cache before the call (``NEW_KV_IN_CACHE``)."""
-    if NEW_KV_IN_CACHE:
-        return ctx_len + q_len
-    else:
-        return ctx_len
 
 
 @triton.jit
@@ -336,16 +295,6 @@ def logits(query, k, k_pos, scoring, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                         ALIBI)
 
 
-@triton.jit
-def visible(q_pos, k_pos, k_valid, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
-    """``[M, N]`` mask of the keys each row may see: valid, causal (bottom-right) and inside the window."""
-    mask = k_valid[None, :] & (q_pos[:, None] >= 0)
-    if CAUSAL:
-        mask = mask & (k_pos[None, :] <= q_pos[:, None])
-    if WINDOW:
-        mask = mask & (q_pos[:, None] - k_pos[None, :] < window)
-    return mask
-
 
 @triton.jit
 def softmax_step(s, m_i, l_i, qk_scale, SCALE_IN_EXP: tl.constexpr = False, MAX_GROWTH: tl.constexpr = 0.0):
@@ -421,38 +370,6 @@ def round_to_fp8_e4m3(x, FP8_MAX: tl.constexpr):
     return tl.where(x < 0, -rounded, rounded)
 
 
-@triton.jit
-def split_range(start, end, full_lo, full_hi, BLOCK_N: tl.constexpr):
-    """Split the tile loop ``[start, end)`` (``start >= 0``, aligned to ``BLOCK_N``) around its mask-free middle.
-
-    ``full_lo``/``full_hi`` bound the keys every row sees without masking; they are rounded inwards to tile
-    boundaries. Returns ``(free_start, free_end)``: tiles in ``[start, free_start)`` and ``[free_end, end)``
-    need masks, ``[free_start, free_end)`` do not. Both lie in ``[start, max(start, end)]`` whatever the
-    bounds are: every difference below is taken between values already clamped into that range, so corrupt
-    lengths near 2**31 cannot wrap a bound negative and start a loop at a negative key.
-    """
-    end = tl.maximum(end, start)
-    top = tl.minimum(tl.maximum(full_hi, start), end)
-    hi = start + ((top - start) // BLOCK_N) * BLOCK_N
-    lo = start + tl.cdiv(tl.minimum(tl.maximum(full_lo, start) - start, hi - start), BLOCK_N) * BLOCK_N
-    return lo, hi
-
-
-@triton.jit
-def split_tiles(cache_tiles, new_tiles, split, KEY_SPLITS: tl.constexpr):
-    """The key tiles that split ``split`` of ``KEY_SPLITS`` visits, of a walk of ``cache_tiles`` cached tiles
-    followed by ``new_tiles`` tiles of new tokens (both >= 0): the same number (rounded up) for each split, in
-    walk order, so that the last splits of a short walk get none. Returns ``(cache_first, cache_count,
-    new_first, new_count)``: the first tile and how many, in each of the two parts."""
-    total = cache_tiles + new_tiles
-    per = tl.cdiv(total, KEY_SPLITS)
-    first = tl.minimum(split * per, total)
-    last = tl.minimum(first + per, total)
-    cache_first = tl.minimum(first, cache_tiles)
-    cache_count = tl.minimum(last, cache_tiles) - cache_first
-    new_first = tl.maximum(first - cache_tiles, 0)
-    new_count = tl.maximum(last - cache_tiles, 0) - new_first
-    return cache_first, cache_count, new_first, new_count
 
 
 @triton.jit

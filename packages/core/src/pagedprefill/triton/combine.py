@@ -1,7 +1,7 @@
 """The second launch of a call with split keys: merge each row's partial rows into its output.
 
 A launch whose tile sets ``KEY_SPLITS`` > 1 runs every query tile as that many programs, each attending to one
-run of the tile's key tiles (:func:`~.blocks.split_tiles`) and writing, per row, its output normalised by its
+run of the tile's key tiles (:func:`~.masks.split_tiles`) and writing, per row, its output normalised by its
 own softmax sum and its log2-domain log-sum-exp (:class:`~.arguments.Partials`). This kernel weighs the
 partial rows by ``2 ** (lse_s - max)``, adds the sinks' mass, applies the FP8 output scale and stores the rows
 with the output's strides. Its programs are the first launch's tiles (the same tile schedule, so it writes

@@ -1,4 +1,5 @@
-"""The prefix-prefill kernel, composed from :mod:`pagedprefill.triton.blocks`.
+"""The prefix-prefill kernel, composed from :mod:`pagedprefill.triton.blocks` and the key ranges and masks of
+:mod:`pagedprefill.triton.masks`.
 
 One program computes one tile: ``BLOCK_M`` rows, each a (new token, query head) pair, where
 ``HEADS_PER_TILE`` query heads of one KV group share the tile so that every K/V tile is loaded once for
@@ -32,15 +33,12 @@ from .blocks import (
     partial_rows,
     round_to_fp8_e4m3,
     scalar_or_load,
-    split_range,
-    split_tiles,
     tile_pages,
     tile_rows,
     tile_sequence,
-    visible,
-    visible_keys,
     widen_query,
 )
+from .masks import new_token_keys, split_range, split_tiles, visible, visible_keys
 
 # Groups the kernel builds for its phases (the launcher's groups are in :mod:`.arguments`).
 #: The tile's queries: ``q`` ``[M, D]``, each row's key position ``pos`` (-1 for rows that do not exist) and
@@ -120,33 +118,6 @@ def _new_phase(state, query, scoring, new_kv, kv_head, offs_d, d_mask, start, en
         v = load_values(new_kv.v + v_off, k_valid, d_mask, MASKED, EVEN_D)
         state = _attend(state, query, k, v, pos, k_valid, scoring, MASKED, CAUSAL, TILE, FEATURES)
     return state
-
-
-@triton.jit
-def new_token_keys(lo, ctx_len, q_len, tok0, tok_last, seq_row0, num_tokens, BLOCK_N: tl.constexpr,
-                   CAUSAL: tl.constexpr, NEW_KV_IN_CACHE: tl.constexpr):
-    """The new tokens' keys a tile visits, indexed from 0 within the sequence: ``(start, end, full_to,
-    in_bounds_len)``, from the tile that holds key ``lo`` causally up to the tile's last token ``tok_last``, or
-    all of them; none when their K/V are read from the cache. Keys below ``full_to`` need no causal mask.
-
-    Whatever the metadata says, the keys read lie inside k/v: the rows from the sequence's first one to the
-    tensors' end (none for a negative start), and the sequence's own count at most (``in_bounds_len``). Every
-    loop over them starts at 0 or later and ends there, so each key index is in ``[0, in_bounds_len + BLOCK_N)``
-    (no int32 overflow: q would not fit in memory first) and one compare per key masks the rest.
-    """
-    start = (tl.maximum(lo - ctx_len, 0) // BLOCK_N) * BLOCK_N
-    in_tensors = tl.where(seq_row0 >= 0, num_tokens - seq_row0, 0)
-    in_bounds_len = tl.maximum(tl.minimum(q_len, in_tensors), 0)
-    if NEW_KV_IN_CACHE:
-        end = start
-        full_to = start
-    elif CAUSAL:
-        end = tl.minimum(tl.maximum(tok_last + 1, 0), in_bounds_len)
-        full_to = tl.minimum(tok0 + 1, in_tensors)
-    else:
-        end = in_bounds_len
-        full_to = tl.minimum(q_len, in_tensors)
-    return start, end, full_to, in_bounds_len
 
 
 @triton.jit(do_not_specialize=VARYING_EXTENTS)
