@@ -34,47 +34,35 @@ def split_cached_tile(cfg, sources, table, kv_head, col, n0, barrier, k_dst, vt_
     and ``barrier`` takes two arrivals, the boxes' expect and one after the keys' stores. ``EARLY_KEYS``: the keys
     were loaded before the buffer was free, ``loaded`` (:func:`~.loads.split_tile_keys`; unread otherwise); only
     their stores are left."""
-    HEAD_SIZE: gl.constexpr = cfg.LAYOUT.HEAD_SIZE
-    HEAD_DIM: gl.constexpr = cfg.LAYOUT.HEAD_DIM
-    PAGE: gl.constexpr = cfg.LAYOUT.PAGE
-    X: gl.constexpr = cfg.LAYOUT.X
-    BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
-    WARPS: gl.constexpr = cfg.SCHEDULE.PRODUCER_WARPS
-    KEY_LOADS: gl.constexpr = cfg.SCHEDULE.KEY_LOADS
-    VALUES_FIRST: gl.constexpr = cfg.SCHEDULE.VALUES_FIRST
     v_cache_t, split_keys, split_values = sources.v_cache_t, sources.split_keys, sources.split_values
     v_rows_per_block = split_values[1]
-    VALUE_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * v_cache_t.dtype.primitive_bitwidth // 8
-    if VALUES_FIRST:
-        mbarrier.expect(barrier, VALUE_BYTES)
-        split_value_boxes(v_cache_t, table, kv_head, col, n0, v_rows_per_block, barrier, vt_dst, HEAD_SIZE, PAGE,
-                          BLOCK_N, HEAD_DIM)
+    if cfg.SCHEDULE.VALUES_FIRST:
+        mbarrier.expect(barrier, cfg.tile_bytes(v_cache_t.dtype))
+        split_value_boxes(cfg, v_cache_t, table, kv_head, col, n0, v_rows_per_block, barrier, vt_dst)
     if EARLY_KEYS:
         first, second = loaded
-        k_dst.slice(0, KEY_LOADS).store(first)
-        if BLOCK_N > KEY_LOADS:
-            k_dst.slice(KEY_LOADS, KEY_LOADS).store(second)
-    elif KEY_LOADS:
-        split_keys_loaded(split_keys, k_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM,
-                          KEY_LOADS)
+        k_dst.slice(0, cfg.SCHEDULE.KEY_LOADS).store(first)
+        if cfg.BLOCK_N > cfg.SCHEDULE.KEY_LOADS:
+            k_dst.slice(cfg.SCHEDULE.KEY_LOADS, cfg.SCHEDULE.KEY_LOADS).store(second)
+    elif cfg.SCHEDULE.KEY_LOADS:
+        split_keys_loaded(cfg, split_keys, k_dst, table, kv_head, n0)
     else:
-        split_keys_async(split_keys, k_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, X, WARPS, HEAD_DIM)
+        split_keys_async(cfg, split_keys, k_dst, table, kv_head, n0)
     if VALUE_COPIES:
-        split_values_async(split_values, vt_dst, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, WARPS, HEAD_DIM)
+        split_values_async(cfg, split_values, vt_dst, table, kv_head, n0)
     # Arrives once this lane's copies have landed; issued before the TMA's expect, so the barrier cannot
     # complete on the value bytes alone.
     async_copy.mbarrier_arrive(barrier)
-    if KEY_LOADS:
+    if cfg.SCHEDULE.KEY_LOADS:
         # The keys are ordinary stores: ordered before the MMA's reads, and every producer warp's done before
         # the one arrival below.
         fence_async_shared()
         gl.thread_barrier()
-    if VALUE_COPIES or VALUES_FIRST:
+    if VALUE_COPIES or cfg.SCHEDULE.VALUES_FIRST:
         mbarrier.arrive(barrier, count=1)
     else:
-        mbarrier.expect(barrier, VALUE_BYTES)
-        split_value_boxes(v_cache_t, table, kv_head, col, n0, v_rows_per_block, barrier, vt_dst, HEAD_SIZE, PAGE,
-                          BLOCK_N, HEAD_DIM)
+        mbarrier.expect(barrier, cfg.tile_bytes(v_cache_t.dtype))
+        split_value_boxes(cfg, v_cache_t, table, kv_head, col, n0, v_rows_per_block, barrier, vt_dst)
 
 
 @gluon.jit
@@ -82,35 +70,23 @@ def fp8_cached_tile(cfg, sources, table, kv_head, col, n0, barrier, k_dst, v_dst
     """One FP8 tile of cached keys and values into the FP8 ring's ``k_dst`` and ``v_dst`` (V^T in the split
     layout), completing ``barrier``: TMA boxes per page (NHD), the split layout's page boxes (``FP8_BOXES``,
     :func:`~.loads.split_boxed_tile`) or its 16-byte copies."""
-    HEAD_SIZE: gl.constexpr = cfg.LAYOUT.HEAD_SIZE
-    PAGE: gl.constexpr = cfg.LAYOUT.PAGE
-    BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
-    k_cache, v_cache, v_cache_t = sources.k_cache, sources.v_cache, sources.v_cache_t
-    split_keys, split_values = sources.split_keys, sources.split_values
-    HALF_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * v_cache_t.dtype.primitive_bitwidth // 8
+    k_cache, v_cache = sources.k_cache, sources.v_cache
     if cfg.LAYOUT.SPLIT and cfg.SCHEDULE.FP8_BOXES:
-        split_boxed_tile(k_cache, split_keys, v_cache_t, table, kv_head, col, n0, split_values[1], barrier, k_dst,
-                         v_dst, HEAD_SIZE, PAGE, BLOCK_N, cfg.LAYOUT.X)
+        split_boxed_tile(cfg, k_cache, sources.split_keys, sources.v_cache_t, table, kv_head, col, n0,
+                         sources.split_values[1], barrier, k_dst, v_dst)
     elif cfg.LAYOUT.SPLIT:
         split_cached_tile(cfg, sources, table, kv_head, col, n0, barrier, k_dst, v_dst, True, False, k_dst)
     elif cfg.SCHEDULE.FP8_SCORES:  # the values alone: the keys' boxes land in the K ring (keys_to_ring)
-        cached_boxes(k_cache, v_cache, table, kv_head, col, n0, barrier, k_dst, v_dst, HALF_BYTES, PAGE, BLOCK_N,
-                     HEAD_SIZE, cfg.PADDED, KEYS=False)
+        cached_boxes(cfg, k_cache, v_cache, table, kv_head, col, n0, barrier, k_dst, v_dst, KEYS=False)
     else:
-        cached_boxes(k_cache, v_cache, table, kv_head, col, n0, barrier, k_dst, v_dst, 2 * HALF_BYTES, PAGE, BLOCK_N,
-                     HEAD_SIZE, cfg.PADDED)
+        cached_boxes(cfg, k_cache, v_cache, table, kv_head, col, n0, barrier, k_dst, v_dst)
 
 
 @gluon.jit
 def keys_to_ring(cfg, sources, table, kv_head, col, n0, barrier, k_dst):
     """``FP8_SCORES`` in the NHD layout: one tile of cached FP8 keys by TMA straight into the K ring's ``k_dst``
     (the MMA reads them as they are), counted in bytes by ``barrier``."""
-    HEAD_SIZE: gl.constexpr = cfg.LAYOUT.HEAD_SIZE
-    BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
-    k_cache, v_cache = sources.k_cache, sources.v_cache
-    KEY_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * k_dst.dtype.primitive_bitwidth // 8
-    cached_boxes(k_cache, v_cache, table, kv_head, col, n0, barrier, k_dst, k_dst, KEY_BYTES, cfg.LAYOUT.PAGE,
-                 BLOCK_N, HEAD_SIZE, cfg.PADDED, VALUES=False)
+    cached_boxes(cfg, sources.k_cache, sources.v_cache, table, kv_head, col, n0, barrier, k_dst, k_dst, VALUES=False)
 
 
 @gluon.jit
@@ -119,26 +95,20 @@ def widen_tile(cfg, ring, s):
     layout), or into V (NHD, and the split layout under ``WIDEN_TO_V``); page blocks under ``FP8_BOXES``. Under
     ``FP8_SCORES`` the K ring is FP8: the split layout's keys are only laid out for the MMA there (the NHD
     layout's are there already)."""
-    HEAD_SIZE: gl.constexpr = cfg.LAYOUT.HEAD_SIZE
-    PAGE: gl.constexpr = cfg.LAYOUT.PAGE
-    BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
-    WARPS: gl.constexpr = cfg.SCHEDULE.PRODUCER_WARPS
-    F32_WIDENING: gl.constexpr = cfg.SCHEDULE.F32_WIDENING
-    FP8_BOXES: gl.constexpr = cfg.SCHEDULE.FP8_BOXES
     k_dst = ring.k.index(s)
     # FP8_BOXES: from the boxes' blocks, the keys by pages of 16-byte columns, V^T by pages.
-    VALUE_BLOCK: gl.constexpr = (PAGE if PAGE < BLOCK_N else BLOCK_N) if FP8_BOXES else 0
-    KEYS_VIA_F32: gl.constexpr = F32_WIDENING and not cfg.SCHEDULE.FP8_SCORES
-    if FP8_BOXES:
-        widen(ring.k8.index(s), k_dst, HEAD_SIZE, WARPS, KEYS_VIA_F32, cfg.LAYOUT.X, BLOCK_N // VALUE_BLOCK)
+    VALUE_BLOCK: gl.constexpr = cfg.BOX if cfg.SCHEDULE.FP8_BOXES else 0
+    KEYS_VIA_F32: gl.constexpr = cfg.SCHEDULE.F32_WIDENING and not cfg.SCHEDULE.FP8_SCORES
+    if cfg.SCHEDULE.FP8_BOXES:
+        widen(cfg, ring.k8.index(s), k_dst, cfg.HEAD_SIZE, KEYS_VIA_F32, cfg.LAYOUT.X, cfg.BLOCK_N // VALUE_BLOCK)
     elif cfg.LAYOUT.SPLIT or not cfg.SCHEDULE.FP8_SCORES:
-        widen(ring.k8.index(s), k_dst, HEAD_SIZE, WARPS, KEYS_VIA_F32)
+        widen(cfg, ring.k8.index(s), k_dst, cfg.HEAD_SIZE, KEYS_VIA_F32)
     if cfg.SCHEDULE.WIDEN_TO_V:  # V^T in FP8, V in the 16-bit ring
-        widen(ring.v8.index(s), ring.v.index(s), BLOCK_N, WARPS, F32_WIDENING, VALUE_BLOCK, 1, True)
+        widen(cfg, ring.v8.index(s), ring.v.index(s), cfg.BLOCK_N, cfg.SCHEDULE.F32_WIDENING, VALUE_BLOCK, 1, True)
     elif cfg.LAYOUT.SPLIT:  # V^T, [D, BLOCK_N]
-        widen(ring.v8.index(s), ring.vt.index(s), BLOCK_N, WARPS, F32_WIDENING, VALUE_BLOCK)
+        widen(cfg, ring.v8.index(s), ring.vt.index(s), cfg.BLOCK_N, cfg.SCHEDULE.F32_WIDENING, VALUE_BLOCK)
     else:
-        widen(ring.v8.index(s), ring.v.index(s), HEAD_SIZE, WARPS, F32_WIDENING)
+        widen(cfg, ring.v8.index(s), ring.v.index(s), cfg.HEAD_SIZE, cfg.SCHEDULE.F32_WIDENING)
 
 
 @gluon.jit
@@ -152,36 +122,26 @@ def producer(cfg, sources, ring, table, rows, walk):
     Under ``EARLY_KEYS`` a cached tile's keys are loaded into registers before the wait for its buffer, so that
     their latency passes while the consumers still hold the buffer.
     """
-    HEAD_SIZE: gl.constexpr = cfg.LAYOUT.HEAD_SIZE
-    HEAD_DIM: gl.constexpr = cfg.LAYOUT.HEAD_DIM
-    PAGE: gl.constexpr = cfg.LAYOUT.PAGE
-    BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
-    STAGES: gl.constexpr = cfg.TILE.STAGES
-    FP8_CACHE: gl.constexpr = cfg.LAYOUT.FP8_CACHE
-    KEY_LOADS: gl.constexpr = cfg.SCHEDULE.KEY_LOADS
-    EARLY_KEYS: gl.constexpr = cfg.SCHEDULE.EARLY_KEYS
-    gl.static_assert(not EARLY_KEYS or (cfg.LAYOUT.SPLIT and KEY_LOADS > 0 and not FP8_CACHE
-                                        and BLOCK_N <= 2 * KEY_LOADS),
+    gl.static_assert(not cfg.SCHEDULE.EARLY_KEYS
+                     or (cfg.LAYOUT.SPLIT and cfg.SCHEDULE.KEY_LOADS > 0 and not cfg.LAYOUT.FP8_CACHE
+                         and cfg.BLOCK_N <= 2 * cfg.SCHEDULE.KEY_LOADS),
                      "EARLY_KEYS: the split layout's 16-bit key loads, a tile of one or two chunks")
-    k_new, v_new, v_cache_t, split_keys = sources.k_new, sources.v_new, sources.v_cache_t, sources.split_keys
+    k_new, v_new = sources.k_new, sources.v_new
     kv_head = rows.kv_head
     cache_start = walk.cache_start
     cache_tiles = walk.cache_tiles
-    HALF_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * k_new.dtype.primitive_bitwidth // 8
-    CACHE_HALF_BYTES: gl.constexpr = BLOCK_N * HEAD_SIZE * v_cache_t.dtype.primitive_bitwidth // 8
-    col = kv_head * HEAD_DIM
-    if FP8_CACHE:  # the first FP8 tiles in flight before any 16-bit buffer is free
-        for j in range(gl.minimum(cache_tiles, STAGES)):
-            fp8_cached_tile(cfg, sources, table, kv_head, col, cache_start + j * BLOCK_N, ring.ready8.index(j),
-                            ring.k8.index(j), ring.v8.index(j))
+    col = kv_head * cfg.LAYOUT.HEAD_DIM
+    if cfg.LAYOUT.FP8_CACHE:  # the first FP8 tiles in flight before any 16-bit buffer is free
+        for j in range(gl.minimum(cache_tiles, cfg.TILE.STAGES)):
+            fp8_cached_tile(cfg, sources, table, kv_head, col, cache_start + j * cfg.BLOCK_N,
+                            ring.ready8.index(j), ring.k8.index(j), ring.v8.index(j))
     first_new = 0
-    if EARLY_KEYS:
+    if cfg.SCHEDULE.EARLY_KEYS:
         # The cached tiles first, each one's keys loaded before its buffer is free; then the new tokens' tiles.
         for it in range(cache_tiles):
             s = ring.stage(it)
-            n0 = cache_start + it * BLOCK_N
-            loaded = split_tile_keys(split_keys, table, kv_head, n0, HEAD_SIZE, PAGE, BLOCK_N, cfg.LAYOUT.X,
-                                     cfg.SCHEDULE.PRODUCER_WARPS, HEAD_DIM, KEY_LOADS)
+            n0 = cache_start + it * cfg.BLOCK_N
+            loaded = split_tile_keys(cfg, sources.split_keys, table, kv_head, n0)
             ring.wait_empty(it)
             split_cached_tile(cfg, sources, table, kv_head, col, n0, ring.ready.index(s), ring.k.index(s),
                               ring.vt.index(s), False, True, loaded)
@@ -191,32 +151,32 @@ def producer(cfg, sources, ring, table, rows, walk):
         ring.wait_empty(it)
         k_dst = ring.k.index(s)
         if it < cache_tiles:
-            if FP8_CACHE:
+            if cfg.LAYOUT.FP8_CACHE:
                 if cfg.SCHEDULE.FP8_SCORES and not cfg.LAYOUT.SPLIT:
-                    keys_to_ring(cfg, sources, table, kv_head, col, cache_start + it * BLOCK_N, ring.ready.index(s),
-                                 k_dst)
+                    keys_to_ring(cfg, sources, table, kv_head, col, cache_start + it * cfg.BLOCK_N,
+                                 ring.ready.index(s), k_dst)
                 ring.wait_landed(it)
                 widen_tile(cfg, ring, s)
                 # The stores are ordered before the consumers' MMA reads, and every warp is done with the FP8
                 # slot before the next tile's copies overwrite it.
                 fence_async_shared()
                 gl.thread_barrier()
-                if it + STAGES < cache_tiles:
-                    fp8_cached_tile(cfg, sources, table, kv_head, col, cache_start + (it + STAGES) * BLOCK_N,
-                                    ring.ready8.index(s), ring.k8.index(s), ring.v8.index(s))
+                if it + cfg.TILE.STAGES < cache_tiles:
+                    fp8_cached_tile(cfg, sources, table, kv_head, col,
+                                    cache_start + (it + cfg.TILE.STAGES) * cfg.BLOCK_N, ring.ready8.index(s),
+                                    ring.k8.index(s), ring.v8.index(s))
                 mbarrier.arrive(ring.ready.index(s), count=1)
             elif cfg.LAYOUT.SPLIT:
-                split_cached_tile(cfg, sources, table, kv_head, col, cache_start + it * BLOCK_N, ring.ready.index(s),
-                                  k_dst, ring.vt.index(s), False, False, k_dst)
+                split_cached_tile(cfg, sources, table, kv_head, col, cache_start + it * cfg.BLOCK_N,
+                                  ring.ready.index(s), k_dst, ring.vt.index(s), False, False, k_dst)
             else:
-                cached_boxes(sources.k_cache, sources.v_cache, table, kv_head, col, cache_start + it * BLOCK_N,
-                             ring.ready.index(s), ring.k8.index(s), ring.v8.index(s), 2 * CACHE_HALF_BYTES, PAGE,
-                             BLOCK_N, HEAD_SIZE, cfg.PADDED)
+                cached_boxes(cfg, sources.k_cache, sources.v_cache, table, kv_head, col,
+                             cache_start + it * cfg.BLOCK_N, ring.ready.index(s), ring.k8.index(s),
+                             ring.v8.index(s))
         else:
-            row = rows.seq_row0 + walk.new_start + (it - cache_tiles) * BLOCK_N
-            mbarrier.expect(ring.ready.index(s), 2 * HALF_BYTES)
+            row = rows.seq_row0 + walk.new_start + (it - cache_tiles) * cfg.BLOCK_N
+            mbarrier.expect(ring.ready.index(s), 2 * cfg.tile_bytes(k_new.dtype))
             if cfg.SCHEDULE.VALUES_FIRST:  # the second of the two arrivals the ring's barriers take then
                 mbarrier.arrive(ring.ready.index(s), count=1)
-            copy_rows(k_new, row, kv_head, col, ring.ready.index(s), k_dst, 0, BLOCK_N, BLOCK_N, HEAD_SIZE, cfg.PADDED)
-            copy_rows(v_new, row, kv_head, col, ring.ready.index(s), ring.v.index(s), 0, BLOCK_N, BLOCK_N, HEAD_SIZE,
-                      cfg.PADDED)
+            copy_rows(cfg, k_new, row, kv_head, col, ring.ready.index(s), k_dst, 0, cfg.BLOCK_N)
+            copy_rows(cfg, v_new, row, kv_head, col, ring.ready.index(s), ring.v.index(s), 0, cfg.BLOCK_N)

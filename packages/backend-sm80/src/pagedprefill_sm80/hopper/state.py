@@ -26,8 +26,15 @@ class KernelConfig:
     """The launch's constexprs (:mod:`.arguments`, core's ``Features`` and ``ScaleFromTensor``, the resolved
     :class:`~.schedule.Schedule`) and what follows from them: ``CONSUMERS`` partitions of ``CONSUMER_WARPS``
     warps with ``ROWS`` rows each, ``TOKENS_PER_TILE`` tokens per tile, ``PADDED`` (the head is narrower than
-    the tile), and ``WRITTEN``: cached tiles the producer writes with its own instructions (the split layout's
-    copies and stores, widened FP8 tiles), which the consumers fence before their MMAs read them."""
+    the tile), ``WRITTEN``: cached tiles the producer writes with its own instructions (the split layout's
+    copies and stores, widened FP8 tiles), which the consumers fence before their MMAs read them, and ``BOX``:
+    the keys of one TMA box of a cached tile (a page, or the whole tile when a page holds several).
+    :meth:`tile_bytes` is what one ``[BLOCK_N, HEAD_SIZE]`` tile of a type occupies, which a barrier expects.
+
+    ``BLOCK_N`` and ``HEAD_SIZE`` (``TILE``'s and ``LAYOUT``'s) are fields of their own: the key tile's two
+    dimensions, which nearly every load and store reads, and constexprs wherever they are used. A field of
+    ``TILE`` or ``LAYOUT`` reads in a jit function as a plain Python number, which a shape handed to a jit
+    function (``gl.zeros``) cannot hold."""
 
     TILE: gl.constexpr
     LAYOUT: gl.constexpr
@@ -40,6 +47,9 @@ class KernelConfig:
     TOKENS_PER_TILE: gl.constexpr
     PADDED: gl.constexpr
     WRITTEN: gl.constexpr
+    BOX: gl.constexpr
+    BLOCK_N: gl.constexpr
+    HEAD_SIZE: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, TILE, LAYOUT, FEATURES, SCALE_FROM_TENSOR, SCHEDULE):
@@ -56,6 +66,14 @@ class KernelConfig:
         self.TOKENS_PER_TILE = gl.constexpr(tile.BLOCK_M // tile.HEADS_PER_TILE)
         self.PADDED = gl.constexpr(layout.HEAD_DIM < layout.HEAD_SIZE)
         self.WRITTEN = gl.constexpr(layout.SPLIT or layout.FP8_CACHE)
+        self.BOX = gl.constexpr(layout.PAGE if layout.PAGE < tile.BLOCK_N else tile.BLOCK_N)
+        self.BLOCK_N = gl.constexpr(tile.BLOCK_N)
+        self.HEAD_SIZE = gl.constexpr(layout.HEAD_SIZE)
+
+    @gluon.constexpr_function
+    def tile_bytes(self, dtype):
+        """The bytes of one ``[BLOCK_N, HEAD_SIZE]`` tile (K, V or V^T) of element type ``dtype``."""
+        return self.BLOCK_N.value * self.HEAD_SIZE.value * dtype.primitive_bitwidth // 8
 
 
 @aggregate
