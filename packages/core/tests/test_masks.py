@@ -81,10 +81,9 @@ PROBE = textwrap.dedent("""
 
 
     @triton.jit
-    def probe_portable(meta, pairs, ctx_len, q_len, window, max_tiles, TPT: tl.constexpr, BLOCK_N: tl.constexpr,
-                       CAUSAL: tl.constexpr, WINDOW: tl.constexpr, NEW_KV_IN_CACHE: tl.constexpr,
-                       KEY_SPLITS: tl.constexpr):
-        # prefix_prefill_kernel's walk, with split_masks on and a cache that holds the context.
+    def program_rows(ctx_len, q_len, max_tiles, TPT: tl.constexpr, BLOCK_N: tl.constexpr, KEY_SPLITS: tl.constexpr):
+        # This program's query tile and split, where its records start, its rows' positions (-1 past the
+        # sequence), the rows that exist as a [TPT, BLOCK_N] mask, and its last token.
         tok0 = tl.program_id(0) * TPT
         split = tl.program_id(1)
         slot0 = (tl.program_id(0) * KEY_SPLITS + split) * max_tiles
@@ -92,6 +91,16 @@ PROBE = textwrap.dedent("""
         q_pos = tl.where(tok < q_len, ctx_len + tok, -1)
         exists = (q_pos >= 0)[:, None] & (tl.arange(0, BLOCK_N) >= 0)[None, :]
         tok_last = tl.minimum(tok0 + TPT, q_len) - 1
+        return tok0, split, slot0, q_pos, exists, tok_last
+
+
+    @triton.jit
+    def probe_portable(meta, pairs, ctx_len, q_len, window, max_tiles, TPT: tl.constexpr, BLOCK_N: tl.constexpr,
+                       CAUSAL: tl.constexpr, WINDOW: tl.constexpr, NEW_KV_IN_CACHE: tl.constexpr,
+                       KEY_SPLITS: tl.constexpr):
+        # prefix_prefill_kernel's walk, with split_masks on and a cache that holds the context.
+        tok0, split, slot0, q_pos, exists, tok_last = program_rows(ctx_len, q_len, max_tiles, TPT, BLOCK_N,
+                                                                   KEY_SPLITS)
         lo, full_from, c_end, full_to, kv_len = visible_keys(ctx_len, q_len, tok0, tok_last, window, CAUSAL, WINDOW,
                                                              NEW_KV_IN_CACHE)
         c_start = (lo // BLOCK_N) * BLOCK_N
@@ -130,13 +139,8 @@ PROBE = textwrap.dedent("""
                      CAUSAL: tl.constexpr, WINDOW: tl.constexpr, NEW_KV_IN_CACHE: tl.constexpr,
                      KEY_SPLITS: tl.constexpr):
         # The Hopper kernel's key_walk and its consumers' softmax_tile, with a cache that holds the context.
-        tok0 = tl.program_id(0) * TPT
-        split = tl.program_id(1)
-        slot0 = (tl.program_id(0) * KEY_SPLITS + split) * max_tiles
-        tok = tok0 + tl.arange(0, TPT)
-        q_pos = tl.where(tok < q_len, ctx_len + tok, -1)
-        exists = (q_pos >= 0)[:, None] & (tl.arange(0, BLOCK_N) >= 0)[None, :]
-        tok_last = tl.minimum(tok0 + TPT, q_len) - 1
+        tok0, split, slot0, q_pos, exists, tok_last = program_rows(ctx_len, q_len, max_tiles, TPT, BLOCK_N,
+                                                                   KEY_SPLITS)
         lo, full_from, cache_end, _, kv_len = visible_keys(ctx_len, q_len, tok0, tok_last, window, CAUSAL, WINDOW,
                                                            NEW_KV_IN_CACHE)
         cache_start = (lo // BLOCK_N) * BLOCK_N
