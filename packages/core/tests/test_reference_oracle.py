@@ -295,3 +295,29 @@ def test_rows_with_no_visible_key_are_zero():
         out = reference_module._attend(query, keys, values, query_pos, key_pos, 0.3, softcap, sl, sk, window)
         assert torch.equal(out[:2], torch.zeros(2, 2, 8, dtype=torch.float64))
         assert bool((out[2] != 0).all()) and bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize("change", [dict(), dict(kv_in_cache=True), dict(layout="split", x=2),
+                                    dict(kv_cache_dtype="fp8_e4m3", kv_in_cache=True)],
+                         ids=["nhd", "kv_in_cache", "split", "fp8_e4m3"])
+def test_nan_unused_slots_poison_exactly_the_slots_no_sequence_holds(change):
+    """``BatchSpec.nan_unused_slots`` writes NaN into every slot past each sequence's keys and every block no
+    sequence's table names, and nowhere else: the reference's output is the one of the unpoisoned batch."""
+    spec = pp.testing.case_spec("basic").replace(block_size=8, spare_blocks=2, extra_columns=2, **change)
+    clean, poisoned = make_problem(spec), make_problem(spec.replace(nan_unused_slots=True))
+    cache, table = clean.cache, clean.batch.block_table
+    held = (clean.batch.seq_lens if spec.kv_in_cache else clean.batch.context_lengths()).tolist()
+    used = torch.zeros(cache.key.shape[0], cache.block_size, dtype=torch.bool)
+    for i, n in enumerate(held):
+        for pos in range(n):
+            used[table[i, pos // cache.block_size], pos % cache.block_size] = True
+    assert 0 < int(used.sum()) < used.numel()
+    for clean_t, poisoned_t in ((cache.key, poisoned.cache.key), (cache.value, poisoned.cache.value)):
+        a = pp.cache.as_stored_type(clean_t, cache.dtype).float()
+        b = pp.cache.as_stored_type(poisoned_t, cache.dtype).float()
+        if cache.layout is pp.KVLayout.SPLIT:  # [blocks, slots, ...] first
+            dims = (0, 3, 1, 2, 4) if a.dim() == 5 else (0, 3, 1, 2)
+            a, b = a.permute(*dims), b.permute(*dims)
+        assert torch.isnan(b[~used]).all() and torch.equal(a[used], b[used])
+    expect = pp.reference_prefill(clean)
+    torch.testing.assert_close(pp.reference_prefill(poisoned), expect, atol=0, rtol=0, equal_nan=True)

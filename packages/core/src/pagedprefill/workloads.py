@@ -59,6 +59,10 @@ class BatchSpec:
     #: no context lengths in the batch (``BatchMetadata.context_lens`` None): derived from the ``B + 1`` starts
     #: and the sequence lengths, as the serving engine's signature gives them
     context_from_starts: bool = False
+    #: every cache slot no sequence holds (past each sequence's keys, and blocks no table row names) NaN, as
+    #: a cache allocated with ``torch.empty`` or reused by an engine may be: a kernel must never let them reach an
+    #: output (a masked score times a NaN value is NaN)
+    nan_unused_slots: bool = False
 
     def replace(self, **changes) -> BatchSpec:
         return dataclasses.replace(self, **changes)
@@ -72,7 +76,7 @@ class BatchSpec:
         if self.x is not None:
             parts.append(f"x={self.x}")
         for flag in ("alibi", "sinks", "scale_as_tensor", "skip_decode", "kv_in_cache", "fp8_query",
-                     "context_from_starts"):
+                     "context_from_starts", "nan_unused_slots"):
             if getattr(self, flag):
                 parts.append(flag)
         if not self.causal:
@@ -130,6 +134,8 @@ def make_problem(spec: BatchSpec, device="cpu") -> PrefillProblem:
     for i, n in enumerate(blocks_per_seq):
         table[i, :n] = perm[used:used + n].to(torch.int32)
         used += n
+    if spec.nan_unused_slots:
+        fill_unused_slots(cache, table, cached, float("nan"))
     batch = BatchMetadata.from_lengths(qlens, clens, table, device=device)
     if spec.start_loc_entries == "B":
         if spec.context_from_starts:
@@ -165,6 +171,25 @@ def make_problem(spec: BatchSpec, device="cpu") -> PrefillProblem:
         q_scale=q_scale,
     )
     return PrefillProblem(q=q, k=k, v=v, out=out, cache=cache, batch=batch, options=options)
+
+
+def fill_unused_slots(cache: PagedKVCache, block_table: torch.Tensor, cached: Sequence[int], value: float) -> None:
+    """Write ``value`` into every slot of ``cache`` that holds none of the ``cached[i]`` keys of sequence ``i``
+    (positions past them in its last block, and blocks no row of ``block_table`` names for its keys): the
+    slots a kernel reads only by mistake. An FP8 cache holds ``value`` in its FP8 type (NaN: the type's NaN)."""
+    table, bs = block_table.cpu(), cache.block_size
+    used = torch.zeros(cache.key.shape[0], bs, dtype=torch.bool)
+    for i, n in enumerate(cached):
+        pos = torch.arange(n)
+        used[table[i, pos // bs].long(), pos % bs] = True
+    unused = (~used).to(cache.key.device)
+    if cache.dtype.is_fp8:  # torch fills no FP8 tensor in place: write the value's bytes
+        fill = torch.tensor([value]).to(cache.dtype.torch_dtype).view(torch.uint8).item()
+    for t, slot_dims in ((cache.key, (0, 3, 1, 2, 4) if cache.layout is KVLayout.SPLIT else None),
+                         (cache.value, (0, 3, 1, 2) if cache.layout is KVLayout.SPLIT else None)):
+        view = t.view(torch.uint8) if cache.dtype.is_fp8 else t
+        view = view if slot_dims is None else view.permute(*slot_dims)  # [blocks, slots, ...]
+        view[unused] = fill if cache.dtype.is_fp8 else value
 
 
 def new_token_slots(query_lens: Sequence[int], context_lens: Sequence[int], block_table: torch.Tensor,

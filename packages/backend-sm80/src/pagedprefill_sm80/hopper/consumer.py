@@ -43,6 +43,41 @@ def hand_back(cfg, ring, tiles):
         ring.release(it)
 
 
+#: Rows of a V tile (keys) or of a V^T page (head columns, every key of the page) cleared per step by
+#: :func:`clear_stale_values`: slices small enough to pass through the consumer's registers beside its
+#: accumulator.
+CLEAR_ROWS = gl.constexpr(32)
+CLEAR_ROWS_T = gl.constexpr(16)
+
+
+@gluon.jit
+def clear_stale_values(cfg, values, valid_keys, KEYS_ON_COLUMNS: gl.constexpr):
+    """Zero the values of the tile's keys from ``valid_keys`` on, in ``values`` (``[BLOCK_N, HEAD_SIZE]``, or a
+    V^T page ``[HEAD_SIZE, BLOCK_N]`` with ``KEYS_ON_COLUMNS``): the slots past a sequence's keys that a page box
+    brought in. A cache may hold anything there (an engine's never-written or reused slots, NaN in an FP8 byte
+    pattern among them), and a masked key's P of 0 times a NaN or an infinite value is NaN. Both consumers may
+    clear one tile: they write the same zeros, and each fences its own writes before its MMA reads them."""
+    rows: gl.constexpr = values.shape[0]
+    cols: gl.constexpr = values.shape[1]
+    STEP: gl.constexpr = CLEAR_ROWS_T if KEYS_ON_COLUMNS else CLEAR_ROWS
+    if KEYS_ON_COLUMNS:
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [cfg.CONSUMER_WARPS, 1], [1, 0])
+    else:
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [cfg.CONSUMER_WARPS, 1], [1, 0])
+    for c in gl.static_range(rows // STEP):
+        part = values.slice(c * STEP, STEP)
+        if KEYS_ON_COLUMNS:
+            keys = gl.expand_dims(gl.arange(0, cols, gl.SliceLayout(0, layout)), 0)
+        else:
+            keys = gl.expand_dims(c * STEP + gl.arange(0, STEP, gl.SliceLayout(1, layout)), 1)
+        stale = keys >= valid_keys
+        if KEYS_ON_COLUMNS or (c + 1) * STEP > valid_keys:
+            tile = part.load(layout)
+            part.store(gl.where(stale, gl.zeros_like(tile), tile))
+    fence_async_shared()
+    gl.thread_barrier()  # every warp's zeros are in before the warpgroup's MMA reads the tile
+
+
 @gluon.jit
 def softmax_tile(cfg, scores, m_i, l_i, it, q_pos, alibi2, offs_n, rows, walk, kv_len, window, softcap,
                  qk_scale,
@@ -139,6 +174,15 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
             s = ring.stage(it)
             from_cache = it < cache_tiles
             wait_tile(cfg, ring, it, from_cache)
+            if from_cache:
+                # The cached keys end inside this tile: its page boxes brought in slots past them. Cleared before
+                # the scores, while only the accumulator and the row statistics hold registers.
+                valid_keys = kv_len - (walk.cache_start + it * BLOCK_N)
+                if valid_keys < BLOCK_N:
+                    if CACHED_VT:
+                        clear_stale_values(cfg, ring.vt.index(s), valid_keys, True)
+                    else:
+                        clear_stale_values(cfg, ring.v.index(s), valid_keys, False)
             if FP8_CACHE:
                 if it == cache_tiles:  # the cached tiles are done: their values' scale, once
                     acc = acc * v_scale

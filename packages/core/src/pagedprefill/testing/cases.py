@@ -116,6 +116,17 @@ CASES: dict[str, dict] = {
     # nothing 16-bit beside the FP8 q (FP8 cache and output, k = v = None): the call computes in bfloat16
     "fp8_query_only_fp8": {"fp8_query": True, "kv_in_cache": True, "kv_cache_dtype": "fp8_e4m3",
                            "fp8_out_scale": 0.03, "dtype": torch.bfloat16},
+    # every slot no sequence holds is NaN (BatchSpec.nan_unused_slots): the tails of sequences' last blocks and
+    # the blocks no table names, which a kernel that loads whole pages reads but must not let reach an output
+    "nan_unused_slots": {"nan_unused_slots": True},
+    "nan_unused_slots_kv_in_cache": {"nan_unused_slots": True, "kv_in_cache": True, "block_size": 16},
+    "nan_unused_slots_split": {"nan_unused_slots": True, "layout": "split", "block_size": 16},
+    "nan_unused_slots_fp8_e4m3_kv_in_cache": {"nan_unused_slots": True, "kv_in_cache": True,
+                                              "kv_cache_dtype": "fp8_e4m3", "block_size": 16},
+    "nan_unused_slots_bfloat16_head_96": {"nan_unused_slots": True, "kv_in_cache": True, "dtype": torch.bfloat16,
+                                          "head_size": 96, "block_size": 16},
+    "nan_unused_slots_decode_rows": {"nan_unused_slots": True, "kv_in_cache": True, "block_size": 16,
+                                     "query_lens": (1, 1, 1, 4), "context_lens": (70, 3, 33, 12)},
 }
 
 #: case name -> the optional features (:data:`pagedprefill.types.FEATURES`) it needs.
@@ -253,7 +264,8 @@ def random_spec(seed: int, size: str = "small", dtypes=(torch.float16, torch.flo
     spec = spec.replace(causal=not (non_causal and allowed("non_causal")),
                         skip_decode=skip_decode and allowed("skip_decode"),
                         kv_in_cache=kv_in_cache and allowed("kv_in_cache"),
-                        fp8_out_scale=fp8_out_scale if allowed("fp8_out_scale") else None)
+                        fp8_out_scale=fp8_out_scale if allowed("fp8_out_scale") else None,
+                        nan_unused_slots=seed % 2 == 1)  # not drawn: the draws above stay as they were
     return spec
 
 
