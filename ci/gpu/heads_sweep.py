@@ -10,7 +10,8 @@ FlashAttention-4 on the paged cache. Every column's output is checked against th
 timed; the times are medians of ``do_bench`` medians over alternating rounds.
 
 Usage: python ci/gpu/heads_sweep.py [--suite models|default|engine|context] [--only NAME ...]
-       [--packings policy,1,2,group] [--rounds 3] [--reps 50] [--json PATH] [--compile-only] [--no-fa4]
+       [--packings policy,1,2,group] [--tiles 64x64w4s3 ...] [--rounds 3] [--reps 50] [--json PATH]
+       [--compile-only] [--no-fa4]
 Rows in the order of ``--only`` (each row once); one line per row: TFLOP/s (GB/s too for memory-bound rows) of
 each column; the JSON is written after every row. Exit status 1 when a column misses the conformance tolerance.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 
@@ -45,12 +47,25 @@ def packings(spec: str, group: int, policy: int) -> list[int]:
     return out
 
 
-def forced(backend, problem, info, heads: int):
+TILE_SPEC = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)$")
+
+
+def tile_spec(text: str) -> dict:
+    """A tile written ``128x64w8s3`` (rows x keys, warps, stages) as the TileConfig fields it sets."""
+    match = TILE_SPEC.match(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"--tiles: expected ROWSxKEYSwWARPSsSTAGES (e.g. 64x64w4s3), got {text!r}")
+    rows, keys, warps, stages = map(int, match.groups())
+    return dict(block_m=rows, block_n=keys, num_warps=warps, num_stages=stages)
+
+
+def forced(backend, problem, info, heads: int, tile: dict = None):
     """The backend's plan for the engine's call of ``problem`` with its policy's tile holding ``heads`` heads
-    of each group (key splits re-chosen for the packing), and that tile."""
+    of each group (key splits re-chosen for the packing), or ``tile``'s rows, keys, warps and stages with the
+    policy's kernel, and that tile."""
     shape = problem_shape(problem)
     policy = backend.tile_config(shape, info)
-    config = settle(policy.with_(heads_per_tile=heads, key_splits=1), shape)
+    config = settle(policy.with_(heads_per_tile=heads, key_splits=1, **(tile or {})), shape)
     config = config.with_(key_splits=key_splits_for(shape, config, info) if policy.key_splits > 1 else 1)
     backend.tile_config = lambda shape, device: config
     try:
@@ -64,6 +79,9 @@ def main(argv=None) -> int:
     parser.add_argument("--suite", choices=sorted(SUITES), default="models", help="the suite whose rows are timed")
     parser.add_argument("--only", action="append", default=[], help="rows whose name contains this (repeatable)")
     parser.add_argument("--packings", default="policy,1,2,group", help="head counts per tile to time")
+    parser.add_argument("--tiles", type=tile_spec, nargs="*", default=[], metavar="TILE",
+                        help="more columns: the engine's call on these tiles (ROWSxKEYSwWARPSsSTAGES, e.g. 64x64w4s3) "
+                             "with the policy's kernel and packing")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=50, help="do_bench budget per timing, ms")
     parser.add_argument("--json", default="")
@@ -94,6 +112,15 @@ def main(argv=None) -> int:
             problem = fresh_output(engine)
             plan, config = forced(backend, problem, info, heads)
             label = f"engine h{heads}" + (" (policy)" if heads == policy else "")
+            columns[label] = (lambda p=plan, q=problem: (p(q), q.out)[1], config)
+        for tile in args.tiles:
+            problem = fresh_output(engine)
+            label = f"engine {tile['block_m']}x{tile['block_n']}w{tile['num_warps']}s{tile['num_stages']}"
+            try:
+                plan, config = forced(backend, problem, info, policy, tile)
+            except (ValueError, RuntimeError) as why:  # a tile this row's shape cannot take
+                print(f"{wl.name}: no column {label}: {why}", flush=True)
+                continue
             columns[label] = (lambda p=plan, q=problem: (p(q), q.out)[1], config)
         try:  # the classic drop-in's call covers plain causal attention only (no window, softcap, ...)
             check_plain(wl)
