@@ -387,6 +387,7 @@ MODELS = (
     ModelHeads("Qwen2.5-14B/32B", 40, 8, 128),
     ModelHeads("Gemma-2-9B", 16, 8, 256),
     ModelHeads("Phi-3-mini", 32, 32, 96),
+    ModelHeads("Llama-2-7B", 32, 32, 128),  # MHA at head size 128: Phi-3-mini's heads without the padding
     ModelHeads("Falcon-7B", 71, 1, 64, (1,)),
 )
 
@@ -407,10 +408,10 @@ def model_shards() -> list[tuple[str, int, int, int]]:
 
 def models_suite() -> list[Workload]:
     """One GPU's share of each model's heads (:func:`model_shards`: Llama-3 8B and 70B, Llama-3.2-3B, Qwen2.5
-    7B and 14B/32B, Qwen2-1.5B, Gemma-2-9B at head size 256, Phi-3-mini at 96, Falcon-7B's MQA at 64, at tensor-parallel
-    degrees 1 to 8), each as a prefix-cached prefill, a chunked prefill and a decode step, bf16, pages of 16.
-    Row names start with the shard (``"Llama-3-70B TP8 8/1 ..."``), so that ``--only`` picks a model, a degree or
-    a head shape."""
+    7B and 14B/32B, Qwen2-1.5B, Gemma-2-9B at head size 256, Phi-3-mini at 96, Llama-2-7B's MHA at 128,
+    Falcon-7B's MQA at 64, at tensor-parallel degrees 1 to 8), each as a prefix-cached prefill, a chunked
+    prefill and a decode step, bf16, pages of 16. Row names start with the shard (``"Llama-3-70B TP8 8/1
+    ..."``), so that ``--only`` picks a model, a degree or a head shape."""
     out = []
     for label, heads, kv_heads, head_size in model_shards():
         base = BatchSpec(num_heads=heads, num_kv_heads=kv_heads, head_size=head_size, block_size=16,
