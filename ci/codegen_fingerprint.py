@@ -10,8 +10,9 @@ only the order or grouping of its parameters does (``--exact`` compares every in
 
 Routes: each cache layout, head size the kernel is built for, cache dtype and workload class (short calls and
 long ones), plus one route per optional feature on the prefix-cached shape (the serving engine's call with
-every key in the cache, a window, softcap, ALiBi, sinks, a non-causal call, an FP8 output, skip_decode) and an
-fp16 call.
+every key in the cache, a window, softcap, ALiBi, sinks, a non-causal call, an FP8 output, skip_decode, an FP8
+query) and an fp16 call, decode rows (the idle second consumer) and a few long decode rows whose keys the policy
+splits (the merge in the kernel).
 
 ``--kernel portable`` does the same for core's portable kernel on those routes (what the H200 runs when the
 Hopper kernel is not chosen, and every other GPU); ``--device a100`` compiles them for sm80 with that
@@ -58,7 +59,16 @@ FEATURES = {
     "fp16": dict(dtype=torch.float16),
     "mha": dict(num_kv_heads=32),  # one query head per KV head: the group size is specialised to a constant
     "block-128": dict(block_size=128),
+    # an FP8 query on an e4m3 cache (the FP8 score MMAs), the engine's call
+    "fp8-query": dict(fp8_query=True, kv_cache_dtype="fp8_e4m3", kv_in_cache=True),
+    # decode rows: the second consumer idles on tiles whose half holds no query (IDLE_HALF)
+    "decode": dict(query_lens=(1,) * 128, context_lens=(2048,) * 128, kv_in_cache=True),
+    # a few long decode rows, each tile's keys split (TILE_CHANGES), merged in the kernel by the last split
+    "split-keys": dict(query_lens=(1,) * 4, context_lens=(32768,) * 4, kv_in_cache=True),
 }
+#: Tile fields a route sets over the policy's: its key splits follow the block table's width, which the short
+#: batch the code is compiled for does not have.
+TILE_CHANGES = {"split-keys": dict(key_splits=4)}
 #: Described devices the routes are compiled for, by name, with their compute capability.
 DEVICES = {"h200": 90, "a100": 80}
 QUICK = ("nhd/128/auto/long", "split/128/auto/long", "nhd/128/auto/short", "split/128/auto/short",
@@ -75,7 +85,7 @@ def routes(quick: bool = False) -> dict[str, BatchSpec]:
                     out[f"{layout}/{head_size}/{cache}/{workload}"] = base.replace(
                         layout=layout, head_size=head_size, kv_cache_dtype=cache, **extents)
         for name, change in FEATURES.items():
-            out[f"{layout}/128/auto/long+{name}"] = base.replace(layout=layout, **EXTENTS["long"], **change)
+            out[f"{layout}/128/auto/long+{name}"] = base.replace(layout=layout, **{**EXTENTS["long"], **change})
     if quick:
         out = {name: out[name] for name in QUICK}
     return out
@@ -102,11 +112,11 @@ def instructions(text: str, is_sass: bool) -> Counter:
     return found
 
 
-def fingerprint(spec: BatchSpec, device_name: str = "h200") -> dict:
+def fingerprint(spec: BatchSpec, device_name: str = "h200", tile_changes: dict = None) -> dict:
     device = described_devices()[device_name]
     backend = select_backend(device)
     shape = spec_shape(spec, twin(spec))
-    config = backend.tile_config(shape, device)
+    config = backend.tile_config(shape, device).with_(**(tile_changes or {}))
     row = {"tile": config.to_dict()}
     problem = make_problem(twin(spec))
     compiled = backend.compile_for_target(problem, config, DEVICES[device_name])
@@ -179,7 +189,7 @@ def main(argv=None) -> int:
             continue
         started = time.perf_counter()
         try:
-            rows[name] = fingerprint(spec, args.device)
+            rows[name] = fingerprint(spec, args.device, TILE_CHANGES.get(name.rpartition("+")[2]))
         except Exception as exc:  # a route that does not compile is a finding, not a crash of the report
             rows[name] = {"error": str(exc).strip().splitlines()[-1][:200]}
         row = rows[name]
