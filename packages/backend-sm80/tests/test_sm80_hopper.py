@@ -299,6 +299,21 @@ SCHEDULES = {
 }
 
 
+#: Bytes of spills the split layout's calls may have under the ping-pong schedule alone, and why: its copies
+#: without key loads in ping-pong (the policy's schedule for no 16-bit split route at head size 128; its consumers
+#: have 240 registers): clearing the stale V^T columns of the tile where a walk's keys end keeps two or three of
+#: the epilogue's row registers in local memory across the key loop (stored before it, loaded after) and two
+#: values around the clearing, which runs on that one tile per walk: nothing in the per-tile path.
+SPLIT_COPIES_SPILLS = 20
+
+
+def spill_allowance(name: str) -> int:
+    """The spill bytes a compiled call ``name`` (``compiled/schedule``) may have: :data:`SPLIT_COPIES_SPILLS`
+    for the split layout's copies in ping-pong, none for any other."""
+    compiled, _, schedule = name.partition("/")
+    return SPLIT_COPIES_SPILLS if compiled.startswith("split") and schedule == "pingpong" else 0
+
+
 #: The flags the policy sets per route (:func:`pagedprefill_sm80.hopper.schedule.route_flags`), off unless a
 #: schedule of :data:`SCHEDULES` names them.
 POLICY_FLAGS_OFF = dict(KEY_LOADS=False, VALUES_FIRST=False, WIDE_KEY_CHUNKS=False, EARLY_KEYS=False,
@@ -352,7 +367,7 @@ def test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma():
         # loads and stores; an FP8 cache's values are copies still).
         copied = name.startswith("split") and ("fp8" in name or "/pingpong-key-loads" not in name)
         assert (summary["async_copies"] > 0) == copied, name
-        assert summary["spill_bytes"] in (0, None), name
+        assert (summary["spill_bytes"] or 0) <= spill_allowance(name), (name, summary["spill_bytes"])
         assert summary["shared_bytes"] <= H200.max_shared_mem, name
         # The policy's shared-memory model bounds what Triton allocated, and is exact but for its 1 KiB
         # allowance for the barriers under the default, ping-pong schedule.
