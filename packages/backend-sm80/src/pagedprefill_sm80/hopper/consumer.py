@@ -91,19 +91,17 @@ def softmax_tile(cfg, scores, m_i, l_i, it, q_pos, alibi2, offs_n, rows, walk, k
 
     Returns ``(P, alpha, m, l)``; the caller rescales its accumulator by ``alpha``.
     """
-    BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
-    CAUSAL: gl.constexpr = cfg.FEATURES.CAUSAL
-    WINDOW: gl.constexpr = cfg.FEATURES.WINDOW
-    SOFTCAP: gl.constexpr = cfg.FEATURES.SOFTCAP
-    ALIBI: gl.constexpr = cfg.FEATURES.ALIBI
+    features: gl.constexpr = cfg.FEATURES
     n0, key_end, needs_mask = walk_tile(it, walk.cache_start, walk.cache_tiles, walk.new_start, rows.ctx_len,
-                                        rows.q_len, kv_len, walk.pos_first, walk.full_from, BLOCK_N, CAUSAL, WINDOW,
-                                        cfg.FEATURES.NEW_KV_IN_CACHE)
+                                        rows.q_len, kv_len, walk.pos_first, walk.full_from, cfg.BLOCK_N,
+                                        features.CAUSAL, features.WINDOW, features.NEW_KV_IN_CACHE)
     k_pos = n0 + offs_n
-    SCALE_IN_EXP: gl.constexpr = cfg.SCHEDULE.FUSED_SCALE and not SOFTCAP and not ALIBI
-    scores = scale_logits(scores, k_pos, q_pos, alibi2, qk_scale, softcap, SOFTCAP, ALIBI, SCALE_IN_EXP)
+    SCALE_IN_EXP: gl.constexpr = cfg.SCHEDULE.FUSED_SCALE and not features.SOFTCAP and not features.ALIBI
+    scores = scale_logits(scores, k_pos, q_pos, alibi2, qk_scale, softcap, features.SOFTCAP, features.ALIBI,
+                          SCALE_IN_EXP)
     if needs_mask:
-        scores = gl.where(visible(q_pos, k_pos, k_pos < key_end, window, CAUSAL, WINDOW), scores, float("-inf"))
+        scores = gl.where(visible(q_pos, k_pos, k_pos < key_end, window, features.CAUSAL, features.WINDOW), scores,
+                          float("-inf"))
     MAX_GROWTH: gl.constexpr = RESCALE_GROWTH if cfg.SCHEDULE.LAZY_RESCALE else 0.0
     p, alpha, m_new, l_i = softmax_step(scores, m_i, l_i, qk_scale, SCALE_IN_EXP, MAX_GROWTH)
     return gl.convert_layout(p.to(p_dtype), p_layout), alpha, m_new, l_i
@@ -121,11 +119,6 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
     folded into the cached tiles' logit scale and ``v_scale`` into the accumulator once the cached tiles (which
     come first) are done.
     """
-    BLOCK_M: gl.constexpr = cfg.ROWS
-    BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
-    HEAD_SIZE: gl.constexpr = cfg.LAYOUT.HEAD_SIZE
-    NUM_WARPS: gl.constexpr = cfg.CONSUMER_WARPS
-    FP8_CACHE: gl.constexpr = cfg.LAYOUT.FP8_CACHE
     # Cached values in the V^T ring: the split layout's, unless an FP8 cache's are widened into the V ring.
     CACHED_VT: gl.constexpr = cfg.LAYOUT.SPLIT and not cfg.SCHEDULE.WIDEN_TO_V
     ring, rows, walk, per_head, scoring, scales, output = consumed
@@ -135,30 +128,30 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
         qk_scale = qk_scale * gl.load(tensors.q).to(gl.float32)
     qk_scale_cache = qk_scale
     v_scale = 1.0
-    if FP8_CACHE:
+    if cfg.LAYOUT.FP8_CACHE:
         qk_scale_cache = qk_scale * scalar_or_load(values.k, tensors.k, cfg.SCALE_FROM_TENSOR.K)
         v_scale = scalar_or_load(values.v, tensors.v, cfg.SCALE_FROM_TENSOR.V)
     # An MMA instruction takes 32 bytes of each row: 16 keys' columns of 16-bit operands, 32 of FP8 ones.
     SCORES_K: gl.constexpr = 256 // q_smem.dtype.primitive_bitwidth
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, SCORES_K])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, HEAD_SIZE, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[cfg.CONSUMER_WARPS, 1],
+                                                       instr_shape=[16, cfg.BLOCK_N, SCORES_K])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[cfg.CONSUMER_WARPS, 1],
+                                                       instr_shape=[16, cfg.HEAD_SIZE, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     key_s: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    head, out_rows, row_ok, q_pos = tile_rows(ROW0 + gl.arange(0, BLOCK_M, row_s), rows.tok0, rows.kv_head, rows.chunk,
-                                              rows.group_size, rows.seq_row0, rows.ctx_len, rows.q_len,
+    head, out_rows, row_ok, q_pos = tile_rows(ROW0 + gl.arange(0, cfg.ROWS, row_s), rows.tok0, rows.kv_head,
+                                              rows.chunk, rows.group_size, rows.seq_row0, rows.ctx_len, rows.q_len,
                                               rows.num_tokens, cfg.TILE.HEADS_PER_TILE, cfg.TOKENS_PER_TILE)
-    alibi2 = gl.zeros([BLOCK_M], gl.float32, row_s)
+    alibi2 = gl.zeros([cfg.ROWS], gl.float32, row_s)
     if cfg.FEATURES.ALIBI:
         alibi2 = gl.load(per_head[0] + head, mask=row_ok, other=0.0).to(gl.float32) * LOG2E
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
-    acc = gl.zeros([BLOCK_M, HEAD_SIZE], gl.float32, o_layout)
-    offs_n = gl.arange(0, BLOCK_N, key_s)
+    m_i = gl.full([cfg.ROWS], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([cfg.ROWS], gl.float32, row_s)
+    acc = gl.zeros([cfg.ROWS, cfg.HEAD_SIZE], gl.float32, o_layout)
+    offs_n = gl.arange(0, cfg.BLOCK_N, key_s)
     kv_len = cached_length(rows.ctx_len, rows.q_len, cfg.FEATURES.NEW_KV_IN_CACHE)
 
     cache_tiles = walk.cache_tiles
@@ -177,19 +170,19 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
             if from_cache:
                 # The cached keys end inside this tile: its page boxes brought in slots past them. Cleared before
                 # the scores, while only the accumulator and the row statistics hold registers.
-                valid_keys = kv_len - (walk.cache_start + it * BLOCK_N)
-                if valid_keys < BLOCK_N:
+                valid_keys = kv_len - (walk.cache_start + it * cfg.BLOCK_N)
+                if valid_keys < cfg.BLOCK_N:
                     if CACHED_VT:
                         clear_stale_values(cfg, ring.vt.index(s), valid_keys, True)
                     else:
                         clear_stale_values(cfg, ring.v.index(s), valid_keys, False)
-            if FP8_CACHE:
+            if cfg.LAYOUT.FP8_CACHE:
                 if it == cache_tiles:  # the cached tiles are done: their values' scale, once
                     acc = acc * v_scale
-            zeros = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+            zeros = gl.zeros([cfg.ROWS, cfg.BLOCK_N], gl.float32, s_layout)
             scores = warpgroup_mma(q_smem, ring.k.index(s).permute((1, 0)), zeros, use_acc=False)
             tile_scale = qk_scale
-            if FP8_CACHE and from_cache:
+            if cfg.LAYOUT.FP8_CACHE and from_cache:
                 tile_scale = qk_scale_cache
             m_old = m_i
             p_op, alpha, m_i, l_i = softmax_tile(cfg, scores, m_i, l_i, it, q_pos, alibi2, offs_n, rows, walk, kv_len,
@@ -208,12 +201,12 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
             # Every warp of this consumer is done with the buffer (its MMAs are synchronous): one arrival for all.
             gl.thread_barrier()
             ring.release(it)
-        if FP8_CACHE:
+        if cfg.LAYOUT.FP8_CACHE:
             if walk.new_tiles == 0:  # no new tile followed the cached ones
                 acc = acc * v_scale
 
         if cfg.TILE.KEY_SPLITS > 1:
             store_partials(cfg, acc, m_i, l_i, head, out_rows, row_ok, rows, output, o_layout)
-            merge_if_last(cfg, head, out_rows, row_ok, rows, per_head, scales, output, o_layout, ROW0 // BLOCK_M)
+            merge_if_last(cfg, head, out_rows, row_ok, rows, per_head, scales, output, o_layout, ROW0 // cfg.ROWS)
         else:
             store_rows(cfg, acc, m_i, l_i, head, out_rows, row_ok, per_head, scales, output, o_layout)

@@ -47,60 +47,53 @@ def allocate_ring(cfg, v_cache_t, k_cache, dtype: gl.constexpr):
     """The ring's buffers and barriers (:class:`~.state.Ring`), initialised. ``v_cache_t`` names the layout of
     the split layout's V^T page boxes, ``k_cache`` an FP8 cache's element type. Under ``FP8_SCORES`` the K ring
     holds the cache's FP8 keys, which the NHD layout's boxes land there directly (no FP8 ring for them)."""
-    HEAD_SIZE: gl.constexpr = cfg.LAYOUT.HEAD_SIZE
-    BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
     STAGES: gl.constexpr = cfg.TILE.STAGES
-    SPLIT: gl.constexpr = cfg.LAYOUT.SPLIT
-    FP8_CACHE: gl.constexpr = cfg.LAYOUT.FP8_CACHE
-    FP8_SCORES: gl.constexpr = cfg.SCHEDULE.FP8_SCORES
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_SIZE], dtype)
-    if FP8_SCORES:
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_N, cfg.HEAD_SIZE], dtype)
+    if cfg.SCHEDULE.FP8_SCORES:
         k_dtype: gl.constexpr = k_cache.dtype
-        k_smem = gl.allocate_shared_memory(k_dtype, [STAGES, BLOCK_N, HEAD_SIZE],
-                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_SIZE], k_dtype))
+        k_smem = gl.allocate_shared_memory(k_dtype, [STAGES, cfg.BLOCK_N, cfg.HEAD_SIZE],
+                                           gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_N, cfg.HEAD_SIZE], k_dtype))
     else:
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_SIZE], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_SIZE], kv_layout)
-    if SPLIT and cfg.SCHEDULE.WIDEN_TO_V:
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, cfg.BLOCK_N, cfg.HEAD_SIZE], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, cfg.BLOCK_N, cfg.HEAD_SIZE], kv_layout)
+    if cfg.LAYOUT.SPLIT and cfg.SCHEDULE.WIDEN_TO_V:
         vt_smem = v_smem  # not read: every tile's values are widened or copied into the V ring
-    elif SPLIT:
-        if FP8_CACHE:  # widened by the producer into the layout the MMA reads best
-            vt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_SIZE, BLOCK_N], dtype)
+    elif cfg.LAYOUT.SPLIT:
+        if cfg.LAYOUT.FP8_CACHE:  # widened by the producer into the layout the MMA reads best
+            vt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.HEAD_SIZE, cfg.BLOCK_N], dtype)
         elif cfg.PADDED:  # the boxes' rank-3 layout, seen as the [D, BLOCK_N] tile it fills
             vt_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=v_cache_t.layout.swizzle_byte_width,
                                                            element_bitwidth=dtype.primitive_bitwidth, rank=2)
         else:  # cached values as V^T pages by TMA: [D, BLOCK_N], each page a column block of the box's swizzle
             vt_layout: gl.constexpr = v_cache_t.layout
-        vt_smem = gl.allocate_shared_memory(dtype, [STAGES, HEAD_SIZE, BLOCK_N], vt_layout)
+        vt_smem = gl.allocate_shared_memory(dtype, [STAGES, cfg.HEAD_SIZE, cfg.BLOCK_N], vt_layout)
     else:
         vt_smem = v_smem
-    if FP8_CACHE:
+    if cfg.LAYOUT.FP8_CACHE:
         # Cached tiles in FP8 as they arrive; the producer widens each into the 16-bit ring.
         c_dtype: gl.constexpr = k_cache.dtype
-        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_SIZE], c_dtype)
-        FP8_BOXES: gl.constexpr = cfg.SCHEDULE.FP8_BOXES
-        gl.static_assert(not FP8_BOXES or (SPLIT and not cfg.PADDED),
+        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_N, cfg.HEAD_SIZE], c_dtype)
+        gl.static_assert(not cfg.SCHEDULE.FP8_BOXES or (cfg.LAYOUT.SPLIT and not cfg.PADDED),
                          "FP8_BOXES: the split layout's FP8 cache at a head size that is a power of two")
-        if FP8_BOXES:
+        if cfg.SCHEDULE.FP8_BOXES:
             # One whole block per box, the pages one after another: the keys' [D / X, box, X] (seen as rows of X)
             # and the values' V^T [D, box].
-            PAGE: gl.constexpr = cfg.LAYOUT.PAGE
             X: gl.constexpr = cfg.LAYOUT.X
-            VALUE_BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
-            k8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, HEAD_SIZE // X * BLOCK_N, X],
-                                                gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))
-            v8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, BLOCK_N // VALUE_BOX * HEAD_SIZE, VALUE_BOX],
+            k8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, cfg.HEAD_SIZE // X * cfg.BLOCK_N, X],
+                                                gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8,
+                                                                     rank=2))
+            v8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, cfg.BLOCK_N // cfg.BOX * cfg.HEAD_SIZE, cfg.BOX],
                                                 v_cache_t.layout)
         else:
-            if FP8_SCORES and not SPLIT:
+            if cfg.SCHEDULE.FP8_SCORES and not cfg.LAYOUT.SPLIT:
                 k8_smem = k_smem  # not read: the keys' boxes land in the K ring
             else:
-                k8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, BLOCK_N, HEAD_SIZE], c_layout)
-            if SPLIT:  # the values as V^T pages, [D, BLOCK_N], by 16-byte copies
-                v8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, HEAD_SIZE, BLOCK_N],
-                                                    gl.NVMMASharedLayout.get_default_for([HEAD_SIZE, BLOCK_N], c_dtype))
+                k8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, cfg.BLOCK_N, cfg.HEAD_SIZE], c_layout)
+            if cfg.LAYOUT.SPLIT:  # the values as V^T pages, [D, BLOCK_N], by 16-byte copies
+                vt8_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.HEAD_SIZE, cfg.BLOCK_N], c_dtype)
+                v8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, cfg.HEAD_SIZE, cfg.BLOCK_N], vt8_layout)
             else:
-                v8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, BLOCK_N, HEAD_SIZE], c_layout)
+                v8_smem = gl.allocate_shared_memory(c_dtype, [STAGES, cfg.BLOCK_N, cfg.HEAD_SIZE], c_layout)
     else:
         k8_smem = k_smem
         v8_smem = v_smem
@@ -109,12 +102,12 @@ def allocate_ring(cfg, v_cache_t, k_cache, dtype: gl.constexpr):
     # Value boxes issued before the keys' loads: a cached tile's barrier then waits for the boxes' expect and for
     # an arrival after the keys' stores (a new-token tile's arrives twice at once). FP8_SCORES (NHD): for the keys'
     # boxes' expect and an arrival after the values are widened.
-    TWO_ARRIVALS: gl.constexpr = cfg.SCHEDULE.VALUES_FIRST or (FP8_SCORES and not SPLIT)
+    TWO_ARRIVALS: gl.constexpr = cfg.SCHEDULE.VALUES_FIRST or (cfg.SCHEDULE.FP8_SCORES and not cfg.LAYOUT.SPLIT)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=2 if TWO_ARRIVALS else 1)
         mbarrier.init(empty.index(i), count=cfg.CONSUMERS)  # every consumer hands the buffer back
     ready8 = ready  # an FP8 cache: the FP8 ring's own barriers (its bytes landed), seen by the producer only
-    if FP8_CACHE:
+    if cfg.LAYOUT.FP8_CACHE:
         ready8 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready8.index(i), count=1)
@@ -135,28 +128,25 @@ def key_walk(cfg, rows, window, table_width, num_blocks):
     tiles (each tile then judged by core's :func:`~pagedprefill.triton.masks.walk_tile`); and the new tokens'
     range is the metadata's, not cut to k/v (``IN_TENSORS`` off): their TMA boxes are bounds-checked by the
     hardware."""
-    BLOCK_N: gl.constexpr = cfg.TILE.BLOCK_N
-    CAUSAL: gl.constexpr = cfg.FEATURES.CAUSAL
-    NEW_KV_IN_CACHE: gl.constexpr = cfg.FEATURES.NEW_KV_IN_CACHE
     ctx_len, q_len, tok0 = rows.ctx_len, rows.q_len, rows.tok0
     tok_last = gl.minimum(tok0 + cfg.TOKENS_PER_TILE, q_len) - 1
-    lo, full_from, cache_end, _, _ = visible_keys(ctx_len, q_len, tok0, tok_last, window, CAUSAL,
-                                                  cfg.FEATURES.WINDOW, NEW_KV_IN_CACHE)
-    cache_start = (lo // BLOCK_N) * BLOCK_N
-    cache_tiles = gl.cdiv(gl.maximum(cache_end - cache_start, 0), BLOCK_N)
+    lo, full_from, cache_end, _, _ = visible_keys(ctx_len, q_len, tok0, tok_last, window, cfg.FEATURES.CAUSAL,
+                                                  cfg.FEATURES.WINDOW, cfg.FEATURES.NEW_KV_IN_CACHE)
+    cache_start = (lo // cfg.BLOCK_N) * cfg.BLOCK_N
+    cache_tiles = gl.cdiv(gl.maximum(cache_end - cache_start, 0), cfg.BLOCK_N)
     # A table without columns or a cache without blocks holds nothing to read, whatever ctx_len claims.
     cache_tiles = gl.where((table_width > 0) & (num_blocks > 0), cache_tiles, 0)
     new_start = 0
     new_tiles = 0
-    if not NEW_KV_IN_CACHE:
+    if not cfg.FEATURES.NEW_KV_IN_CACHE:
         new_start, new_end, _, _ = new_token_keys(lo, ctx_len, q_len, tok0, tok_last, rows.seq_row0, rows.num_tokens,
-                                                  BLOCK_N, CAUSAL, NEW_KV_IN_CACHE, False)
-        new_tiles = gl.cdiv(gl.maximum(new_end - new_start, 0), BLOCK_N)
+                                                  cfg.BLOCK_N, cfg.FEATURES.CAUSAL, cfg.FEATURES.NEW_KV_IN_CACHE, False)
+        new_tiles = gl.cdiv(gl.maximum(new_end - new_start, 0), cfg.BLOCK_N)
     if cfg.TILE.KEY_SPLITS > 1:
         cache_first, cache_tiles, new_first, new_tiles = split_tiles(cache_tiles, new_tiles, gl.program_id(2),
                                                                      cfg.TILE.KEY_SPLITS)
-        cache_start = cache_start + cache_first * BLOCK_N
-        new_start = new_start + new_first * BLOCK_N
+        cache_start = cache_start + cache_first * cfg.BLOCK_N
+        new_start = new_start + new_first * cfg.BLOCK_N
     return KeyWalk(cache_start, cache_tiles, new_start, new_tiles, ctx_len + tok0, full_from)
 
 
@@ -178,8 +168,6 @@ def hopper_prefill_kernel(
     consumer) of the grid (:func:`~.epilogue.merge_if_last`); a placeholder otherwise.
     """
     cfg = KernelConfig(TILE, LAYOUT, FEATURES, SCALE_FROM_TENSOR, SCHEDULE)
-    HEAD_SIZE: gl.constexpr = LAYOUT.HEAD_SIZE
-    BLOCK_M: gl.constexpr = TILE.BLOCK_M
     tile = program_tile(gl.program_id(0), gl.num_programs(0), SCHEDULE.HEAVY_FIRST)
     seq, tok0, seq_row0, ctx_len, q_len, done = tile_sequence(tile, batch[0], batch[1], batch[2], num_seqs,
                                                               cfg.TOKENS_PER_TILE, FEATURES.SKIP_DECODE,
@@ -193,8 +181,8 @@ def hopper_prefill_kernel(
     # Rows of the tile: (token, head) pairs, read from q with ordinary loads (any strides, any packing).
     Q = tokens[0]
     load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [cfg.CONSUMER_WARPS, 1], [1, 0])
-    offs_m = gl.arange(0, BLOCK_M, gl.SliceLayout(1, load_layout))
-    offs_d = gl.arange(0, HEAD_SIZE, gl.SliceLayout(0, load_layout))
+    offs_m = gl.arange(0, TILE.BLOCK_M, gl.SliceLayout(1, load_layout))
+    offs_d = gl.arange(0, cfg.HEAD_SIZE, gl.SliceLayout(0, load_layout))
     head, q_rows, row_ok, _ = tile_rows(offs_m, tok0, kv_head, chunk, group_size, seq_row0, ctx_len, q_len,
                                         num_tokens, TILE.HEADS_PER_TILE, cfg.TOKENS_PER_TILE)
     q_off = (gl.expand_dims(q_rows.to(gl.int64) * strides.q.token + head.to(gl.int64) * strides.q.head, 1)
@@ -211,8 +199,8 @@ def hopper_prefill_kernel(
 
     walk = key_walk(cfg, rows, window, table_width, num_blocks)
 
-    q_smem = gl.allocate_shared_memory(q.dtype, [BLOCK_M, HEAD_SIZE],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_SIZE], q.dtype), q)
+    q_smem = gl.allocate_shared_memory(q.dtype, [TILE.BLOCK_M, cfg.HEAD_SIZE],
+                                       gl.NVMMASharedLayout.get_default_for([TILE.BLOCK_M, cfg.HEAD_SIZE], q.dtype), q)
     ring = allocate_ring(cfg, v_cache_t, k_cache, dtype)
     table = (cache[2] + seq.to(gl.int64) * strides.table_seq, table_width, num_blocks)
     sources = Sources(k_cache, v_cache, k_new, v_new, v_cache_t,
@@ -222,11 +210,10 @@ def hopper_prefill_kernel(
     consumed = (ring, rows, walk, per_head, (window, softcap, qk_scale), (scales, scale_tensors),
                 (tokens[3], strides.out, partials, arrivals))
     produced = (cfg, sources, ring, table, rows, walk)
-    ROWS: gl.constexpr = cfg.ROWS
     if SCHEDULE.PINGPONG:
         gl.warp_specialize([
-            (consumer, (cfg, consumed, q_smem.slice(0, ROWS), 0)),
-            (consumer, (cfg, consumed, q_smem.slice(ROWS, ROWS), ROWS)),
+            (consumer, (cfg, consumed, q_smem.slice(0, cfg.ROWS), 0)),
+            (consumer, (cfg, consumed, q_smem.slice(cfg.ROWS, cfg.ROWS), cfg.ROWS)),
             (producer, produced),
         ], [cfg.CONSUMER_WARPS, SCHEDULE.PRODUCER_WARPS], [SCHEDULE.CONSUMER_REGS, SCHEDULE.PRODUCER_REGS])
     else:
