@@ -25,7 +25,8 @@ Reported:
   weights the logits are nearly flat, so a near-tie may legitimately flip a token and the rest of a request).
 
 Usage: python ci/gpu/transformers_e2e.py [--layers N] [--prompts N] [--min-len N] [--max-len N]
-       [--new-tokens N] [--impl NAME ...] [--json PATH]
+       [--new-tokens N] [--impl NAME ...] [--json PATH] [--png PATH]
+       python ci/gpu/transformers_e2e.py --replot JSON --png PATH      (a chart of a written JSON, no GPU)
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 IMPLEMENTATIONS = ("paged|sdpa", "paged|flash_attention_4", "paged|pagedprefill")
 #: Llama-3-8B's sizes; only the number of layers is an option.
@@ -64,6 +66,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"attention implementations, in order (default: {' '.join(IMPLEMENTATIONS)})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts (default 0)")
     parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
+    parser.add_argument("--png", type=Path, default=None,
+                        help="write a chart of the results here (prefill and decode tokens/s, time to first token, "
+                             "wall time per implementation; needs matplotlib)")
+    parser.add_argument("--replot", type=Path, default=None, metavar="JSON",
+                        help="run nothing: draw --png from a JSON this script wrote (no GPU needed)")
     parser.add_argument("--passes", type=int, default=2,
                         help="generate_batch runs of the whole batch per implementation, the last one timed "
                              "(default 2: the first compiles every kernel the batch's steps need)")
@@ -74,6 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="also time the host's side of every attention call of the timed runs (a timer around "
                              "the implementation's function, no synchronisation)")
     args = parser.parse_args(argv)
+    if args.replot and not args.png:
+        parser.error("--replot: expected --png, the chart to draw")
     if args.passes < 1:
         parser.error("--passes: expected at least 1")
     if args.check and args.passes < 2:
@@ -296,8 +305,47 @@ def environment() -> dict:
             "python": platform.python_version(), "pagedprefill_backend": backend}
 
 
+def chart(payload: dict, path: Path) -> Optional[Path]:
+    """A chart of the ``ok`` rows of a run's results (the JSON's payload): one panel each for prefill tokens/s,
+    decode tokens/s, the median time to first token and the wall time, a bar per implementation. None if
+    matplotlib is missing or no row ran."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = [r for r in payload["rows"] if r["status"] == "ok"]
+    if not rows:
+        return None
+    panels = (("prefill_tokens_per_s", "prefill tok/s"), ("decode_tokens_per_s", "decode tok/s"),
+              ("ttft_median_s", "time to first token, median (s)"), ("wall_s", "wall (s)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.6))
+    names = [r["impl"].removeprefix("paged|") for r in rows]
+    for ax, (key, label) in zip(axes, panels):
+        values = [r.get(key) or 0.0 for r in rows]
+        bars = ax.bar(names, values, color=[f"C{i}" for i in range(len(rows))])
+        ax.bar_label(bars, labels=[f"{v:,.0f}" if v >= 1000 else f"{v:.3g}" for v in values], fontsize=8)
+        ax.set_title(label, fontsize=9)
+        ax.tick_params(axis="x", labelsize=8)
+    env = payload.get("environment", {})
+    fig.suptitle(f"transformers continuous batching, {payload.get('layers')} layers of Llama-3-8B shapes, "
+                 f"{payload.get('prompts')} prompts, {payload.get('new_tokens')} new tokens each; "
+                 f"{env.get('gpu', '?')}, transformers {env.get('transformers', '?')}, "
+                 f"{str(env.get('date', ''))[:10]}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        drawn = chart(json.loads(args.replot.read_text()), args.png)
+        print(f"wrote {drawn}" if drawn else "no chart: matplotlib is missing or no row ran")
+        return 0 if drawn else 1
     import torch
 
     if not torch.cuda.is_available():
@@ -337,6 +385,11 @@ def main(argv=None) -> int:
                    "continuous_batching": cb_kwargs, "rows": rows}
         args.json.write_text(json.dumps(payload, indent=1))
         print(f"wrote {args.json}")
+    if args.png:
+        payload = {"environment": env, "layers": args.layers, "prompts": len(prompts),
+                   "new_tokens": args.new_tokens, "rows": rows}
+        drawn = chart(payload, args.png)
+        print(f"wrote {drawn}" if drawn else "no chart: matplotlib is missing or no row ran")
     return 0 if any(r["status"] == "ok" for r in rows) else 1
 
 
