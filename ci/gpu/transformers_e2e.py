@@ -22,10 +22,14 @@ Reported:
 * decode tokens/s: tokens generated after that moment, over the time until the last token;
 * time to first token: per request, its first token's time minus its creation time (median, p90, max);
 * whether the greedy tokens agree with ``paged|sdpa`` (requests with identical tokens; with random bf16
-  weights the logits are nearly flat, so a near-tie may legitimately flip a token and the rest of a request).
+  weights the logits are nearly flat, so a near-tie may legitimately flip a token and the rest of a request);
+* with ``--replay-fa4``: layer 0's attention calls of pagedprefill's first pass, each timed again on its own with
+  pagedprefill and with FlashAttention-4's paged kernel on the same pages, table and lengths (FA4 on the same
+  batches, where transformers' own ``paged|flash_attention_4`` does not run), totals for prefill and decode calls.
 
 Usage: python ci/gpu/transformers_e2e.py [--layers N] [--prompts N] [--min-len N] [--max-len N]
-       [--new-tokens N] [--impl NAME ...] [--json PATH] [--png PATH]
+       [--new-tokens N] [--impl NAME ...] [--passes N] [--check] [--host-times] [--replay-fa4] [--json PATH]
+       [--png PATH]
        python ci/gpu/transformers_e2e.py --replot JSON --png PATH      (a chart of a written JSON, no GPU)
 """
 
@@ -77,6 +81,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--check", action="store_true",
                         help="run every attention call of paged|pagedprefill's first (untimed) pass also on the "
                              "reference backend and compare (needs --passes 2 or more)")
+    parser.add_argument("--replay-fa4", action="store_true",
+                        help="record layer 0's attention calls of paged|pagedprefill's first (untimed) pass, then time "
+                             "each again on its own, on the same cache pages, with pagedprefill and with "
+                             "FlashAttention-4's paged kernel (flash_attn.cute, when it imports): FA4 on the same "
+                             "batches where transformers' own paged|flash_attention_4 does not run (needs --passes 2 "
+                             "or more)")
     parser.add_argument("--host-times", action="store_true",
                         help="also time the host's side of every attention call of the timed runs (a timer around "
                              "the implementation's function, no synchronisation)")
@@ -87,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--passes: expected at least 1")
     if args.check and args.passes < 2:
         parser.error("--check: runs on the first, untimed pass; expected --passes 2 or more")
+    if args.replay_fa4 and args.passes < 2:
+        parser.error("--replay-fa4: records the first, untimed pass; expected --passes 2 or more")
     if not 1 <= args.min_len <= args.max_len:
         parser.error("--min-len and --max-len: expected 1 <= min <= max")
     return args
@@ -188,17 +200,27 @@ def run_one(model, impl, prompts, warmup_prompts, args, cb_kwargs) -> dict:
             # picks for a step's shape); the last one is timed.
             last = done == args.passes
             times, restore = timed_attention(impl) if args.host_times and last else (None, None)
-            errors = None
+            errors = records = None
+            restores = [restore] if restore is not None else []
             if args.check and done == 1 and impl == "paged|pagedprefill":
                 errors, restore = checked_attention(impl)
+                restores.append(restore)
+            if args.replay_fa4 and done == 1 and impl == "paged|pagedprefill":
+                records, restore = recorded_calls(model.config.num_hidden_layers)
+                restores.append(restore)
             started = time.perf_counter()
             try:
                 results = generate(model, impl, prompts, args.new_tokens, cb_kwargs)
             finally:
-                if restore is not None:
+                for restore in reversed(restores):
                     restore()
             if not last:
                 row.setdefault("untimed_passes_s", []).append(time.perf_counter() - started)
+            if records is not None:
+                row["replay"] = replay(records)
+                print(f"{impl}: layer 0's attention calls of pass 1 timed again on their own: {row['replay']}",
+                      flush=True)
+                del records
             if errors is not None:
                 row["check_against_reference"] = check_summary(errors)
                 print(f"{impl}: every attention call of pass 1 against the reference backend: "
@@ -262,6 +284,79 @@ def checked_attention(impl: str):
 
     mapping[impl] = checked
     return errors, lambda: mapping.__setitem__(impl, original)
+
+
+def recorded_calls(layers: int):
+    """Record every ``layers``-th engine-form call of the integration (layer 0's, as a step calls its layers in
+    order) with pagedprefill's own backend: the query, block table, starts and lengths cloned, the cache pages as
+    they are (their values change as the run goes on: the replay times the same shapes and lengths, not the same
+    numbers). Calls the reference backend makes for ``--check`` are left out. Returns the list the records go to
+    and a function that puts the original call back."""
+    from pagedprefill.integrations import transformers as integration
+
+    real, records, seen = integration.context_attention_fwd, [], [0]
+
+    def recording(q, k, v, o, kv_cache_dtype, k_pages, v_pages, table, starts, seq_lens, *args, **kwargs):
+        if kwargs.get("backend") != "reference":
+            if seen[0] % layers == 0:
+                records.append(dict(q=q.clone(), k_pages=k_pages, v_pages=v_pages, table=table.clone(),
+                                    starts=starts.clone(), seq_lens=seq_lens.clone(), sm_scale=kwargs.get("sm_scale"),
+                                    window=kwargs.get("sliding_window"), sinks=kwargs.get("sinks"),
+                                    softcap=kwargs.get("softcap") or 0.0))
+            seen[0] += 1
+        return real(q, k, v, o, kv_cache_dtype, k_pages, v_pages, table, starts, seq_lens, *args, **kwargs)
+
+    integration.context_attention_fwd = recording
+    return records, lambda: setattr(integration, "context_attention_fwd", real)
+
+
+def replay(records: list[dict], rep_ms: int = 20) -> dict:
+    """Each recorded call timed on its own (median of ``triton.testing.do_bench``) with pagedprefill's engine-form
+    drop-in and, where ``flash_attn.cute`` imports and takes the call, FA4's paged kernel on the same pages,
+    table and lengths (after comparing the two outputs); totals over the prefill calls (a step with a sequence of
+    more than one new token) and the decode calls."""
+    import torch
+    import triton.testing
+    from pagedprefill import PrefillProblem
+    from pagedprefill.cli import fa4 as fa4_peer
+    from pagedprefill.vllm import context_attention_fwd
+
+    fa4, line = fa4_peer.load()
+    totals = {kind: {"calls": 0, "pagedprefill_ms": 0.0, "fa4_ms": 0.0, "fa4_calls": 0}
+              for kind in ("prefill", "decode")}
+    why_not, max_diff = set(), 0.0
+    for r in records:
+        out = torch.empty_like(r["q"])
+        seq_lens = r["seq_lens"].to(torch.int32)
+        q_lens = r["starts"][1:] - r["starts"][:-1]
+        kind = "prefill" if int(q_lens.max()) > 1 else "decode"
+
+        def ours(r=r, out=out, seq_lens=seq_lens):
+            context_attention_fwd(r["q"], None, None, out, "auto", r["k_pages"], r["v_pages"], r["table"], r["starts"],
+                                  seq_lens, None, None, 1.0, 1.0, sliding_window=r["window"], sm_scale=r["sm_scale"],
+                                  sinks=r["sinks"], softcap=r["softcap"])
+            return out
+
+        t = totals[kind]
+        t["calls"] += 1
+        t["pagedprefill_ms"] += triton.testing.do_bench(ours, warmup=5, rep=rep_ms, return_mode="median")
+        if fa4 is None:
+            why_not.add(line)
+            continue
+        problem = PrefillProblem.from_tensors(r["q"], None, None, out, r["k_pages"], r["v_pages"], r["table"],
+                                              r["starts"], seq_lens, None,
+                                              sm_scale=r["sm_scale"], sliding_window=r["window"], sinks=r["sinks"],
+                                              softcap=r["softcap"])
+        reason = fa4_peer.unsupported(problem)
+        if reason:
+            why_not.add(reason)
+            continue
+        theirs = fa4_peer.paged_call(fa4, problem)
+        real_rows = int(r["starts"][-1])  # padding tokens past the last start are nobody's
+        max_diff = max(max_diff, float((ours()[:real_rows].float() - theirs()[:real_rows].float()).abs().max()))
+        t["fa4_ms"] += triton.testing.do_bench(theirs, warmup=5, rep=rep_ms, return_mode="median")
+        t["fa4_calls"] += 1
+    return {**totals, "fa4_max_abs_diff": max_diff, "fa4_not_run": sorted(why_not)}
 
 
 def check_summary(errors: list[dict]) -> dict:
