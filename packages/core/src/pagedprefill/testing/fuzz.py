@@ -10,7 +10,8 @@ Every case is a random :class:`~pagedprefill.testing.BatchSpec` built in two ste
    blocks, block-table width, window);
 2. the **case** within that key: query and context lengths (0 and 1 included), a shuffled block table with
    junk in unused columns, the window's value, softcap and ``sm_scale`` values, FP8 scales, ``b_start_loc``
-   with ``B`` or ``B + 1`` entries, and N(0, 1) data. Lengths are adjusted to the key's integer states, so
+   with ``B`` or ``B + 1`` entries, and N(0, 1) data; every other case has NaN in every cache slot no sequence
+   holds (``BatchSpec.nan_unused_slots``). Lengths are adjusted to the key's integer states, so
    every case of a key launches the same compiled kernel.
 
 Optional features are drawn only where the backend lists them in ``supported_features``.
@@ -401,7 +402,7 @@ class FuzzGenerator:
             sm_scale=None if rng.random() < 0.7 else round(rng.uniform(0.02, 1.0), 4),
             fp8_out_scale=round(rng.uniform(0.005, 0.2), 4) if base.fp8_out_scale is not None else None,
             start_loc_entries="B" if rng.random() < 0.3 else "B+1", spare_blocks=spare, extra_columns=extra,
-            seed=seed)
+            seed=seed, nan_unused_slots=seed % 2 == 1)  # not drawn: every other draw stays as it was
 
     @staticmethod
     def _fit_tokens(rng: random.Random, qlens: list[int], state: str, max_q: int) -> list[int]:
