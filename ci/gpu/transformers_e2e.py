@@ -474,15 +474,13 @@ def main(argv=None) -> int:
             a = row["agreement_with_paged_sdpa"]
             print(f"{row['impl']}: greedy tokens identical to paged|sdpa for {a['identical_requests']} of "
                   f"{a['requests']} requests (mean common prefix {a['mean_common_prefix']:.1f} tokens)")
+    payload = {"environment": env, "layers": args.layers, "prompts": len(prompts),
+               "prompt_lengths": [len(p) for p in prompts], "new_tokens": args.new_tokens,
+               "continuous_batching": cb_kwargs, "rows": rows}
     if args.json:
-        payload = {"environment": env, "layers": args.layers, "prompts": len(prompts),
-                   "prompt_lengths": [len(p) for p in prompts], "new_tokens": args.new_tokens,
-                   "continuous_batching": cb_kwargs, "rows": rows}
         args.json.write_text(json.dumps(payload, indent=1))
         print(f"wrote {args.json}")
     if args.png:
-        payload = {"environment": env, "layers": args.layers, "prompts": len(prompts),
-                   "new_tokens": args.new_tokens, "rows": rows}
         drawn = chart(payload, args.png)
         print(f"wrote {drawn}" if drawn else "no chart: matplotlib is missing or no row ran")
     return 0 if any(r["status"] == "ok" for r in rows) else 1
