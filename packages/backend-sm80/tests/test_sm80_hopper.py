@@ -1425,8 +1425,8 @@ def compile_fp8_queries() -> dict:
 def test_idle_half_is_on_where_its_branch_does_not_spill_and_reaches_the_launch():
     """``IDLE_HALF`` (the second consumer idle on tiles whose second half holds no query row) is on for both
     layouts and cache formats at head sizes 128 and 256 and on 128-key tiles at head size 64, off on head size
-    64's 256-key tiles and at head size 96 (where its branch spills), off without ``PINGPONG`` (one consumer
-    holds every row); a caller can turn it off, and the launch's constexprs carry it."""
+    64's 256-key tiles and at head size 96 without ``HEAD_PANELS`` (where its branch spills), off without
+    ``PINGPONG`` (one consumer holds every row); a caller can turn it off, and the launch's constexprs carry it."""
     assert DEFAULTS["IDLE_HALF"]
     for layout in ("nhd", "split"):
         for cache in ("auto", "fp8_e4m3"):
@@ -1487,6 +1487,50 @@ def compile_lazy_rescale() -> dict:
         code = sass(compiled)
         out[f"nhd/{name}"] = {**summarize(compiled, 90).to_dict(),
                               "barriers": None if code is None else len(re.findall(r"\bBAR\.", code))}
+    return out
+
+
+def test_head_panels_cover_a_padded_heads_columns_without_spills():
+    """``HEAD_PANELS`` (off until it is checked on a GPU) applies to head size 96 alone, and lets ``IDLE_HALF`` on
+    there. Compiled for sm90 (both layouts, the engine's call with split keys too) its ``P V`` has MMAs of 32
+    columns beside those of 64, which the tile-wide accumulator's code has none of, and it neither spills nor
+    touches an in-flight MMA's registers."""
+    assert not DEFAULTS["HEAD_PANELS"]
+    for head_size in (64, 128, 256):
+        s = shape(head_size=head_size)
+        assert not resolve(s, hopper_config(s), dict(HEAD_PANELS=True))["HEAD_PANELS"], head_size
+    for layout in ("nhd", "split"):
+        d96 = shape(head_size=96, layout=layout)
+        panels = resolve(d96, hopper_config(d96), dict(HEAD_PANELS=True))
+        assert panels["HEAD_PANELS"] and panels["IDLE_HALF"], layout
+        assert not resolve(d96, hopper_config(d96))["IDLE_HALF"], layout
+    summaries = child_result("compile_head_panels")
+    for name, summary in summaries.items():
+        assert summary["spill_bytes"] in (0, None) and summary["wgmma_hazards"] in (0, None), (name, summary)
+        if summary["narrow_mmas"] is not None:
+            assert (summary["narrow_mmas"] > 0) == name.endswith("/panels"), (name, summary)
+
+
+def compile_head_panels() -> dict:
+    """Codegen summaries of head size 96's tiles with and without ``HEAD_PANELS``, with the SASS's MMAs of 32
+    columns (``HGMMA.64x32``)."""
+    from pagedprefill.triton.codegen import compile_call, sass, summarize
+    from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
+
+    out = {}
+    calls = {"nhd": (SPEC.replace(head_size=96, kv_in_cache=True), {}),
+             "split": (SPEC.replace(head_size=96, layout="split"), {}),
+             "nhd-split-keys": (SPEC.replace(head_size=96, kv_in_cache=True, query_lens=(1,) * 4,
+                                             context_lens=(4000,) * 4), dict(key_splits=2))}
+    for name, (spec, tile_changes) in calls.items():
+        problem = make_problem(spec)
+        s = problem_shape(problem)
+        config = hopper_config(s).with_(**tile_changes)
+        for label, on in (("plain", False), ("panels", True)):
+            compiled = compile_call(hopper_prefill_kernel, kernel_call(problem, config, s, dict(HEAD_PANELS=on)), 90)
+            code = sass(compiled)
+            out[f"{name}/{label}"] = {**summarize(compiled, 90).to_dict(),
+                                      "narrow_mmas": None if code is None else code.count("HGMMA.64x32x16")}
     return out
 
 

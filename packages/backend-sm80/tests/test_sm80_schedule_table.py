@@ -20,7 +20,7 @@ import pytest
 import torch
 from pagedprefill import DeviceInfo
 from pagedprefill.tiling import ProblemShape
-from pagedprefill_sm80.hopper.flags import FLAGS, flag_table
+from pagedprefill_sm80.hopper.flags import FLAGS, UNVERIFIED_FLAGS, flag_table
 from pagedprefill_sm80.hopper.schedule import (
     DEFAULTS,
     HEAD_SIZES,
@@ -187,9 +187,11 @@ def test_the_policy_sets_no_flag_its_rule_drops(policy_only):
 
 
 def test_every_flag_is_on_somewhere_the_policy_goes(policy_only):
-    """A flag that no route of the policy resolves on, and that is off by default, is dead code: it leaves."""
+    """A flag that no route of the policy resolves on, and that is off by default, is dead code: it leaves. Only a
+    flag still waiting for its GPU run (``UNVERIFIED_FLAGS``) is on nowhere, and off by default."""
     on = {name for shape, config in routes().values() for name, value in resolve(shape, config).items() if value}
-    assert on == set(DEFAULTS)
+    assert on == set(DEFAULTS) - UNVERIFIED_FLAGS
+    assert not any(DEFAULTS[name] for name in UNVERIFIED_FLAGS)
 
 
 def test_a_rules_full_head_is_a_head_size_the_kernel_does_not_pad():

@@ -13,7 +13,7 @@ from pagedprefill.triton.blocks import LOG2E, scalar_or_load, scale_logits, soft
 from pagedprefill.triton.masks import cached_length, visible, walk_tile
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from .epilogue import merge_if_last, store_partials, store_rows
 
@@ -79,6 +79,39 @@ def clear_stale_values(cfg, values, valid_keys, KEYS_ON_COLUMNS: gl.constexpr):
 
 
 @gluon.jit
+def scores_mma(cfg, q_smem, k_tile, s_layout: gl.constexpr):
+    """``S = Q K^T`` for one key tile (``k_tile``: ``[BLOCK_N, HEAD_SIZE]``) over the head's columns only: a padded
+    head as two chained MMAs over its panels (``WIDE`` and ``NARROW`` columns), so that the zero columns past
+    it cost the tensor cores nothing."""
+    zeros = gl.zeros([cfg.ROWS, cfg.BLOCK_N], gl.float32, s_layout)
+    if cfg.PANELS:
+        scores = warpgroup_mma(q_smem.slice(0, cfg.WIDE, dim=1), k_tile.slice(0, cfg.WIDE, dim=1).permute((1, 0)),
+                               zeros, use_acc=False, is_async=True)
+        scores = warpgroup_mma(q_smem.slice(cfg.WIDE, cfg.NARROW, dim=1),
+                               k_tile.slice(cfg.WIDE, cfg.NARROW, dim=1).permute((1, 0)), scores, is_async=True)
+        scores = warpgroup_mma_wait(0, deps=[scores])
+    else:
+        scores = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zeros, use_acc=False)
+    return scores
+
+
+@gluon.jit
+def values_mma_panels(cfg, p_wide, p_narrow, values, acc, acc_narrow):
+    """``O += P V`` for a padded head, one MMA per panel: ``values`` is the tile's ``[BLOCK_N, HEAD_SIZE]`` operand
+    (V rows, or a V^T page permuted), ``acc`` and ``acc_narrow`` the accumulators of its ``WIDE`` and ``NARROW``
+    columns, ``p_wide`` and ``p_narrow`` P in each one's operand layout. Returns both accumulators."""
+    acc = warpgroup_mma(p_wide, values.slice(0, cfg.WIDE, dim=1), acc, is_async=True)
+    acc_narrow = warpgroup_mma(p_narrow, values.slice(cfg.WIDE, cfg.NARROW, dim=1), acc_narrow, is_async=True)
+    return warpgroup_mma_wait(0, deps=[acc, acc_narrow])
+
+
+@gluon.jit
+def rescaled(acc, alpha, o_layout: gl.constexpr):
+    """The accumulator ``acc`` with each row times ``alpha`` (an online-softmax step's correction)."""
+    return acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+
+
+@gluon.jit
 def softmax_tile(cfg, scores, m_i, l_i, it, q_pos, alibi2, offs_n, rows, walk, kv_len, window, softcap,
                  qk_scale,
                  p_layout: gl.constexpr, p_dtype: gl.constexpr):
@@ -135,11 +168,14 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
     SCORES_K: gl.constexpr = 256 // q_smem.dtype.primitive_bitwidth
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[cfg.CONSUMER_WARPS, 1],
                                                        instr_shape=[16, cfg.BLOCK_N, SCORES_K])
+    # The accumulator of the head's columns, or of a padded head's wide panel (and beside it the narrow one's).
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[cfg.CONSUMER_WARPS, 1],
-                                                       instr_shape=[16, cfg.HEAD_SIZE, 16])
+                                                       instr_shape=[16, cfg.WIDE, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    on_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[cfg.CONSUMER_WARPS, 1],
+                                                        instr_shape=[16, cfg.NARROW if cfg.PANELS else cfg.WIDE, 16])
+    pn_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=on_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     key_s: gl.constexpr = gl.SliceLayout(0, s_layout)
 
     head, out_rows, row_ok, q_pos = tile_rows(ROW0 + gl.arange(0, cfg.ROWS, row_s), rows.tok0, rows.kv_head,
@@ -150,7 +186,9 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
         alibi2 = gl.load(per_head[0] + head, mask=row_ok, other=0.0).to(gl.float32) * LOG2E
     m_i = gl.full([cfg.ROWS], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([cfg.ROWS], gl.float32, row_s)
-    acc = gl.zeros([cfg.ROWS, cfg.HEAD_SIZE], gl.float32, o_layout)
+    acc = gl.zeros([cfg.ROWS, cfg.WIDE], gl.float32, o_layout)
+    if cfg.PANELS:
+        acc_narrow = gl.zeros([cfg.ROWS, cfg.NARROW], gl.float32, on_layout)
     offs_n = gl.arange(0, cfg.BLOCK_N, key_s)
     kv_len = cached_length(rows.ctx_len, rows.q_len, cfg.FEATURES.NEW_KV_IN_CACHE)
 
@@ -179,8 +217,9 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
             if cfg.LAYOUT.FP8_CACHE:
                 if it == cache_tiles:  # the cached tiles are done: their values' scale, once
                     acc = acc * v_scale
-            zeros = gl.zeros([cfg.ROWS, cfg.BLOCK_N], gl.float32, s_layout)
-            scores = warpgroup_mma(q_smem, ring.k.index(s).permute((1, 0)), zeros, use_acc=False)
+                    if cfg.PANELS:
+                        acc_narrow = acc_narrow * v_scale
+            scores = scores_mma(cfg, q_smem, ring.k.index(s), s_layout)
             tile_scale = qk_scale
             if cfg.LAYOUT.FP8_CACHE and from_cache:
                 tile_scale = qk_scale_cache
@@ -190,11 +229,22 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
             if cfg.SCHEDULE.LAZY_RESCALE:
                 # alpha is exactly 1 on every row whose max stayed: one vote of the consumer's rows decides.
                 if gl.max((m_i != m_old).to(gl.int32), 0) > 0:
-                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                    acc = rescaled(acc, alpha, o_layout)
+                    if cfg.PANELS:
+                        acc_narrow = rescaled(acc_narrow, alpha, on_layout)
             else:
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            if CACHED_VT and from_cache:
-                # Cached values arrive transposed (V^T pages) in their own ring, new tokens' values as rows.
+                acc = rescaled(acc, alpha, o_layout)
+                if cfg.PANELS:
+                    acc_narrow = rescaled(acc_narrow, alpha, on_layout)
+            # Cached values arrive transposed (V^T pages) in their own ring, new tokens' values as rows.
+            if cfg.PANELS:
+                p_narrow = gl.convert_layout(p_op, pn_layout)
+                if CACHED_VT and from_cache:
+                    acc, acc_narrow = values_mma_panels(cfg, p_op, p_narrow, ring.vt.index(s).permute((1, 0)), acc,
+                                                        acc_narrow)
+                else:
+                    acc, acc_narrow = values_mma_panels(cfg, p_op, p_narrow, ring.v.index(s), acc, acc_narrow)
+            elif CACHED_VT and from_cache:
                 acc = warpgroup_mma(p_op, ring.vt.index(s).permute((1, 0)), acc)
             else:
                 acc = warpgroup_mma(p_op, ring.v.index(s), acc)
@@ -204,9 +254,17 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
         if cfg.LAYOUT.FP8_CACHE:
             if walk.new_tiles == 0:  # no new tile followed the cached ones
                 acc = acc * v_scale
+                if cfg.PANELS:
+                    acc_narrow = acc_narrow * v_scale
 
         if cfg.TILE.KEY_SPLITS > 1:
-            store_partials(cfg, acc, m_i, l_i, head, out_rows, row_ok, rows, output, o_layout)
-            merge_if_last(cfg, head, out_rows, row_ok, rows, per_head, scales, output, o_layout, ROW0 // cfg.ROWS)
+            store_partials(cfg, acc, 0, m_i, l_i, head, out_rows, row_ok, rows, output, o_layout)
+            if cfg.PANELS:
+                store_partials(cfg, acc_narrow, cfg.WIDE, m_i, l_i, head, out_rows, row_ok, rows, output, on_layout)
+            merge_if_last(cfg, head, out_rows, row_ok, rows, per_head, scales, output, o_layout, on_layout,
+                          ROW0 // cfg.ROWS)
         else:
-            store_rows(cfg, acc, m_i, l_i, head, out_rows, row_ok, per_head, scales, output, o_layout)
+            store_rows(cfg, acc, 0, m_i, l_i, head, out_rows, row_ok, per_head, scales, output, o_layout)
+            if cfg.PANELS:
+                store_rows(cfg, acc_narrow, cfg.WIDE, m_i, l_i, head, out_rows, row_ok, per_head, scales, output,
+                           on_layout)

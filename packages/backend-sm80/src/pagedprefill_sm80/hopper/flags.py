@@ -47,6 +47,8 @@ class Where(NamedTuple):
     max_key_chunks: Optional[int] = None  # the key loads' chunks per tile (key_chunk), at most
     heads_over: Optional[int] = None  # head sizes above it
     full_head: bool = False  # a head size that fills its power-of-two tile (not head size 96)
+    padded_head: bool = False  # a head size narrower than its power-of-two tile (96)
+    padded_requires: tuple[str, ...] = ()  # at a padded head, flags that must have resolved on
     fp8_query: bool = False
     kv_in_cache: bool = False  # every key a cache page's (k = v = None)
     one_walk: bool = False  # each tile's keys walked by one program (no key splits)
@@ -64,6 +66,8 @@ class Where(NamedTuple):
                 and (self.max_key_chunks is None or block_n <= self.max_key_chunks * key_chunk(flags))
                 and (self.heads_over is None or shape.head_size > self.heads_over)
                 and (not self.full_head or shape.head_size == shape.head_size_padded)
+                and (not self.padded_head or shape.head_size < shape.head_size_padded)
+                and (shape.head_size == shape.head_size_padded or all(flags[name] for name in self.padded_requires))
                 and (not self.fp8_query or shape.fp8_query)
                 and (not self.kv_in_cache or shape.kv_in_cache)
                 and (not self.one_walk or config.key_splits == 1)
@@ -81,6 +85,8 @@ class Where(NamedTuple):
                  f"tiles of at most {self.max_key_chunks} chunks of key loads" if self.max_key_chunks else "",
                  f"head sizes above {self.heads_over}" if self.heads_over else "",
                  "head sizes that fill the tile" if self.full_head else "",
+                 "head sizes narrower than the tile" if self.padded_head else "",
+                 *(f"at a padded head with `{name}`" for name in self.padded_requires),
                  "an FP8 query" if self.fp8_query else "", "every key in the cache" if self.kv_in_cache else "",
                  "one program per tile's keys (no key splits)" if self.one_walk else "",
                  *(f"with `{name}`" for name in self.requires)]
@@ -116,18 +122,26 @@ FLAGS: tuple[Flag, ...] = (
          "every policy tile (all have 128 rows over 8 warps); two consumer partitions need two warpgroups' rows",
          "1.00-1.21 x the lockstep loop of one 8-warp partition",
          Where(warps=8)),
+    Flag("HEAD_PANELS", False,
+         "a padded head (96 columns of a 128-wide tile) computed as two panels of 64 and 32 columns: `Q K^T` as "
+         "two chained MMAs over them, `P V` into an accumulator per panel, each panel stored apart, so that the "
+         "32 zero columns cost no MMA (a quarter of the work otherwise) and the accumulator holds 96 columns, not "
+         "128",
+         "built; not yet timed or checked on a GPU: off until it is",
+         "-",
+         Where(padded_head=True)),
     Flag("IDLE_HALF", True,
          "with `PINGPONG`: the second consumer, when its half of the tile holds no query row (a decode or "
          "speculative row's tile: 4 rows of 128 at a group of 4 heads; a sequence's short last tile), runs no MMA "
          "and hands each buffer back as it lands, so that such a tile costs the tensor cores one warpgroup's MMAs "
          "instead of two",
-         "tiles of up to 128 keys at head sizes 64, 128 and 256; not where the consumers' registers are full: on "
-         "head size 64's 256-key tiles its branch spilled a register and cost the D64 row 2.7%, and at head size "
-         "96 it spills 16 bytes",
+         "tiles of up to 128 keys at head sizes 64, 128 and 256, and at 96 with `HEAD_PANELS`; not where the "
+         "consumers' registers are full: on head size 64's 256-key tiles its branch spilled a register and cost the "
+         "D64 row 2.7%, and at head size 96 with its accumulator 128 columns wide it spills 16 bytes",
          "engine form: mixed step 1.12 x (285.7 vs 255.4 TFLOP/s), decode 256 x 4k 1.14 x (4103 vs 3609 GB/s), "
          "speculative 128 x 4 1.10 x, decode 4 x 128k 1.12 x, 16 x 32k 1.11 x, speculative 2 x 8 on 64k 1.07 x; "
          "split form 1.06-1.11 x on those rows; prefill rows level (0.99-1.02 x)",
-         Where(max_keys=128, full_head=True, requires=("PINGPONG",))),
+         Where(max_keys=128, padded_requires=("HEAD_PANELS",), requires=("PINGPONG",))),
     Flag("WIDE_PRODUCER", False,
          "the producer a warpgroup of four warps sharing the split layout's 16-byte key copies (56 registers per "
          "producer thread, 224 per consumer thread)",
@@ -229,6 +243,10 @@ FLAGS: tuple[Flag, ...] = (
 
 #: Every flag, with its value before a route's flags and the resolution apply.
 DEFAULTS = {flag.name: flag.default for flag in FLAGS}
+
+#: Flags that are built but have not yet passed the suites on a GPU or been timed there: off, and on no route of
+#: the policy, until they have (``PAGEDPREFILL_SM80_SCHEDULE`` turns one on to check and time it).
+UNVERIFIED_FLAGS: frozenset = frozenset({"HEAD_PANELS"})
 
 
 def applied(asked: dict, shape: ProblemShape, config: TileConfig) -> dict:

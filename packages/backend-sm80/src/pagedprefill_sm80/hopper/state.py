@@ -26,9 +26,12 @@ class KernelConfig:
     """The launch's constexprs (:mod:`.arguments`, core's ``Features`` and ``ScaleFromTensor``, the resolved
     :class:`~.schedule.Schedule`) and what follows from them: ``CONSUMERS`` partitions of ``CONSUMER_WARPS``
     warps with ``ROWS`` rows each, ``TOKENS_PER_TILE`` tokens per tile, ``PADDED`` (the head is narrower than
-    the tile), ``WRITTEN``: cached tiles the producer writes with its own instructions (the split layout's
-    copies and stores, widened FP8 tiles), which the consumers fence before their MMAs read them, and ``BOX``:
-    the keys of one TMA box of a cached tile (a page, or the whole tile when a page holds several).
+    the tile), ``PANELS``: a padded head's columns as two power-of-two panels (``HEAD_PANELS``), ``WIDE`` and
+    ``NARROW`` columns (64 and 32 of head size 96), which the MMAs and the accumulators cover instead of the
+    tile's width (without panels ``WIDE`` is the tile's width and ``NARROW`` 0), ``WRITTEN``: cached tiles the
+    producer writes with its own instructions (the split layout's copies and stores, widened FP8 tiles), which
+    the consumers fence before their MMAs read them, and ``BOX``: the keys of one TMA box of a cached tile (a
+    page, or the whole tile when a page holds several).
     :meth:`tile_bytes` is what one ``[BLOCK_N, HEAD_SIZE]`` tile of a type occupies, which a barrier expects.
 
     ``BLOCK_N`` and ``HEAD_SIZE`` (``TILE``'s and ``LAYOUT``'s) are fields of their own: the key tile's two
@@ -46,6 +49,9 @@ class KernelConfig:
     ROWS: gl.constexpr
     TOKENS_PER_TILE: gl.constexpr
     PADDED: gl.constexpr
+    PANELS: gl.constexpr
+    WIDE: gl.constexpr
+    NARROW: gl.constexpr
     WRITTEN: gl.constexpr
     BOX: gl.constexpr
     BLOCK_N: gl.constexpr
@@ -64,7 +70,15 @@ class KernelConfig:
         self.CONSUMER_WARPS = gl.constexpr(tile.NUM_WARPS // consumers)
         self.ROWS = gl.constexpr(tile.BLOCK_M // consumers)
         self.TOKENS_PER_TILE = gl.constexpr(tile.BLOCK_M // tile.HEADS_PER_TILE)
-        self.PADDED = gl.constexpr(layout.HEAD_DIM < layout.HEAD_SIZE)
+        padded = layout.HEAD_DIM < layout.HEAD_SIZE
+        panels = padded and schedule.HEAD_PANELS
+        self.PADDED = gl.constexpr(padded)
+        self.PANELS = gl.constexpr(panels)
+        wide = layout.HEAD_SIZE // 2 if panels else layout.HEAD_SIZE
+        narrow = layout.HEAD_DIM - wide if panels else 0
+        assert narrow & (narrow - 1) == 0 and narrow < wide, f"head size {layout.HEAD_DIM}: no two panels"
+        self.WIDE = gl.constexpr(wide)
+        self.NARROW = gl.constexpr(narrow)
         self.WRITTEN = gl.constexpr(layout.SPLIT or layout.FP8_CACHE)
         self.BOX = gl.constexpr(layout.PAGE if layout.PAGE < tile.BLOCK_N else tile.BLOCK_N)
         self.BLOCK_N = gl.constexpr(tile.BLOCK_N)
