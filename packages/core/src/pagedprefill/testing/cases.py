@@ -190,6 +190,9 @@ SPLIT_KEY_CASES: dict[str, dict] = {
     "kv_in_cache_fp8_e5m2": {"kv_in_cache": True, "kv_cache_dtype": "fp8_e5m2"},
     "fp8_query_kv_in_cache": {"fp8_query": True, "kv_in_cache": True, "kv_cache_dtype": "fp8_e4m3"},
     "context_from_starts_kv_in_cache": {"context_from_starts": True, "kv_in_cache": True},
+    # a padded head (96 of a 128-wide tile): each split's partial rows and the merge cover its columns only
+    "head_96_kv_in_cache": {"head_size": 96, "kv_in_cache": True},
+    "split_head_96": {"layout": "split", "head_size": 96},
 }
 
 
