@@ -226,13 +226,11 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
             m_old = m_i
             p_op, alpha, m_i, l_i = softmax_tile(cfg, scores, m_i, l_i, it, q_pos, alibi2, offs_n, rows, walk, kv_len,
                                                  window, softcap, tile_scale, p_layout, ring.v.dtype)
+            max_moved = True
             if cfg.SCHEDULE.LAZY_RESCALE:
                 # alpha is exactly 1 on every row whose max stayed: one vote of the consumer's rows decides.
-                if gl.max((m_i != m_old).to(gl.int32), 0) > 0:
-                    acc = rescaled(acc, alpha, o_layout)
-                    if cfg.PANELS:
-                        acc_narrow = rescaled(acc_narrow, alpha, on_layout)
-            else:
+                max_moved = gl.max((m_i != m_old).to(gl.int32), 0) > 0
+            if max_moved:
                 acc = rescaled(acc, alpha, o_layout)
                 if cfg.PANELS:
                     acc_narrow = rescaled(acc_narrow, alpha, on_layout)
