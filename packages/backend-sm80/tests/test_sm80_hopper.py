@@ -1424,9 +1424,10 @@ def compile_fp8_queries() -> dict:
 
 def test_idle_half_is_on_where_its_branch_does_not_spill_and_reaches_the_launch():
     """``IDLE_HALF`` (the second consumer idle on tiles whose second half holds no query row) is on for both
-    layouts and cache formats at head sizes 128 and 256 and on 128-key tiles at head size 64, off on head size
-    64's 256-key tiles and at head size 96 without ``HEAD_PANELS`` (where its branch spills), off without
-    ``PINGPONG`` (one consumer holds every row); a caller can turn it off, and the launch's constexprs carry it."""
+    layouts and cache formats at head sizes 96 (with ``HEAD_PANELS``), 128 and 256 and on 128-key tiles at head
+    size 64, off on head size 64's 256-key tiles and at head size 96 without ``HEAD_PANELS`` (where its branch
+    spills), off without ``PINGPONG`` (one consumer holds every row); a caller can turn it off, and the launch's
+    constexprs carry it."""
     assert DEFAULTS["IDLE_HALF"]
     for layout in ("nhd", "split"):
         for cache in ("auto", "fp8_e4m3"):
@@ -1435,8 +1436,10 @@ def test_idle_half_is_on_where_its_branch_does_not_spill_and_reaches_the_launch(
                     continue  # no FP8 cache there
                 s = shape(layout=layout, kv_cache_dtype=cache, head_size=head_size)
                 config = hopper_config(s)
-                expected = config.block_n <= 128 and head_size != 96
+                expected = config.block_n <= 128
                 assert resolve(s, config)["IDLE_HALF"] == expected, (layout, cache, head_size, config)
+                if head_size == 96:
+                    assert not resolve(s, config, dict(HEAD_PANELS=False))["IDLE_HALF"], (layout, cache)
                 assert not resolve(s, config, dict(IDLE_HALF=False))["IDLE_HALF"]
                 assert not resolve(s, config, dict(PINGPONG=False))["IDLE_HALF"]
     d64 = dataclasses.replace(shape(head_size=64), num_tokens=4096, num_seqs=2, max_query_len=2048)  # a long call
@@ -1491,19 +1494,19 @@ def compile_lazy_rescale() -> dict:
 
 
 def test_head_panels_cover_a_padded_heads_columns_without_spills():
-    """``HEAD_PANELS`` (off until it is checked on a GPU) applies to head size 96 alone, and lets ``IDLE_HALF`` on
-    there. Compiled for sm90 (both layouts, the engine's call with split keys too) its ``P V`` has MMAs of 32
-    columns beside those of 64, which the tile-wide accumulator's code has none of, and it neither spills nor
-    touches an in-flight MMA's registers."""
-    assert not DEFAULTS["HEAD_PANELS"]
+    """``HEAD_PANELS`` (on by default) applies to head size 96 alone, and lets ``IDLE_HALF`` on there. Compiled for
+    sm90 (both layouts, the engine's call with split keys too) its ``P V`` has MMAs of 32 columns beside those of
+    64, which the tile-wide accumulator's code has none of, and it neither spills nor touches an in-flight MMA's
+    registers."""
+    assert DEFAULTS["HEAD_PANELS"]
     for head_size in (64, 128, 256):
         s = shape(head_size=head_size)
         assert not resolve(s, hopper_config(s), dict(HEAD_PANELS=True))["HEAD_PANELS"], head_size
     for layout in ("nhd", "split"):
         d96 = shape(head_size=96, layout=layout)
-        panels = resolve(d96, hopper_config(d96), dict(HEAD_PANELS=True))
+        panels = resolve(d96, hopper_config(d96))
         assert panels["HEAD_PANELS"] and panels["IDLE_HALF"], layout
-        assert not resolve(d96, hopper_config(d96))["IDLE_HALF"], layout
+        assert not resolve(d96, hopper_config(d96), dict(HEAD_PANELS=False))["IDLE_HALF"], layout
     summaries = child_result("compile_head_panels")
     for name, summary in summaries.items():
         assert summary["spill_bytes"] in (0, None) and summary["wgmma_hazards"] in (0, None), (name, summary)

@@ -122,13 +122,12 @@ FLAGS: tuple[Flag, ...] = (
          "every policy tile (all have 128 rows over 8 warps); two consumer partitions need two warpgroups' rows",
          "1.00-1.21 x the lockstep loop of one 8-warp partition",
          Where(warps=8)),
-    Flag("HEAD_PANELS", False,
+    Flag("HEAD_PANELS", True,
          "a padded head (96 columns of a 128-wide tile) computed as two panels of 64 and 32 columns: `Q K^T` as "
          "two chained MMAs over them, `P V` into an accumulator per panel, each panel stored apart, so that the "
          "32 zero columns cost no MMA (a quarter of the work otherwise) and the accumulator holds 96 columns, not "
          "128",
-         "head size 96 once sm80's three conformance suites pass with it on a GPU (`UNVERIFIED_FLAGS`): its 16 "
-         "head-96 cases of sm80's two suites passed with it (H100), the rest of the suites did not finish",
+         "head size 96, every route (NHD and split, 16-bit and FP8 caches, split keys)",
          "H100, the models suite's Phi-3-mini rows, flag on against off in alternating processes: prefix-cached "
          "1.05 / 1.07 x (engine / classic call: 435.8 vs 416.3 TFLOP/s), chunked 1.09 x (458.0 vs 419.6), the "
          "default suite's D96 row 1.06 x NHD (444.9 vs 420.6), 1.07 x split; decode level (1.00-1.02 x)",
@@ -249,7 +248,7 @@ DEFAULTS = {flag.name: flag.default for flag in FLAGS}
 
 #: Flags that are built but have not yet passed the suites on a GPU or been timed there: off, and on no route of
 #: the policy, until they have (``PAGEDPREFILL_SM80_SCHEDULE`` turns one on to check and time it).
-UNVERIFIED_FLAGS: frozenset = frozenset({"HEAD_PANELS"})
+UNVERIFIED_FLAGS: frozenset = frozenset()
 
 
 def applied(asked: dict, shape: ProblemShape, config: TileConfig) -> dict:
