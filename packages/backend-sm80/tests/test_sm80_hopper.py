@@ -1537,6 +1537,58 @@ def compile_head_panels() -> dict:
     return out
 
 
+def test_wide_boxes_load_a_padded_heads_pages_through_the_2d_view_without_spills():
+    """``WIDE_BOXES`` (built, not yet timed on a GPU: off) applies to head size 96's NHD calls under
+    ``HEAD_PANELS`` alone. Its descriptors are the 2-D views ``[rows, heads x 96]`` with boxes of the tile's 128
+    columns (cached pages and new tokens), and compiled for sm90 (an FP8 cache with the new tokens apart, and the
+    engine's call with split keys) its copies are 2-D TMA boxes only, without spills or instructions on an
+    in-flight MMA's registers."""
+    assert not DEFAULTS["WIDE_BOXES"]
+    d96 = shape(head_size=96)
+    assert resolve(d96, hopper_config(d96), dict(WIDE_BOXES=True))["WIDE_BOXES"]
+    assert not resolve(d96, hopper_config(d96), dict(WIDE_BOXES=True, HEAD_PANELS=False))["WIDE_BOXES"]
+    for other in (shape(head_size=96, layout="split"), shape(head_size=128)):
+        assert not resolve(other, hopper_config(other), dict(WIDE_BOXES=True))["WIDE_BOXES"], other
+    problem = make_problem(SPEC.replace(head_size=96))
+    s = problem_shape(problem)
+    config = hopper_config(s)
+    for on in (False, True):
+        call = kernel_call(problem, config, s, dict(WIDE_BOXES=on))
+        assert call.constexprs["SCHEDULE"].WIDE_BOXES == on
+        for desc in call.tensors[1:5]:  # the cache's K and V, the new tokens' K and V
+            if on:
+                assert list(desc.block_shape[1:]) == [128] and desc.shape[1] == SPEC.num_kv_heads * 96, desc.shape
+            else:
+                assert list(desc.block_shape[1:]) == [1, 128] and list(desc.shape[1:]) == [SPEC.num_kv_heads, 96]
+    for name, summary in child_result("compile_wide_boxes").items():
+        assert summary["spill_bytes"] in (0, None) and summary["wgmma_hazards"] in (0, None), (name, summary)
+        if summary["boxes_2d"] is not None:
+            assert summary["boxes_2d"] > 0 and summary["boxes_3d"] == 0, (name, summary)
+
+
+def compile_wide_boxes() -> dict:
+    """Codegen summaries of head size 96's NHD tiles under ``WIDE_BOXES``, with the PTX's 2-D and 3-D TMA copies."""
+    import re
+
+    from pagedprefill.triton.codegen import compile_call, summarize
+    from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
+
+    out = {}
+    calls = {"fp8-new-tokens": (SPEC.replace(head_size=96, kv_cache_dtype="fp8_e4m3"), {}),
+             "engine-split-keys": (SPEC.replace(head_size=96, kv_in_cache=True, query_lens=(1,) * 4,
+                                                context_lens=(4000,) * 4), dict(key_splits=2))}
+    for name, (spec, tile_changes) in calls.items():
+        problem = make_problem(spec)
+        s = problem_shape(problem)
+        config = hopper_config(s).with_(**tile_changes)
+        compiled = compile_call(hopper_prefill_kernel, kernel_call(problem, config, s, dict(WIDE_BOXES=True)), 90)
+        ptx = compiled.asm.get("ptx")
+        out[name] = {**summarize(compiled, 90).to_dict(),
+                     "boxes_2d": None if ptx is None else len(re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)),
+                     "boxes_3d": None if ptx is None else len(re.findall(r"cp\.async\.bulk\.tensor\.3d", ptx))}
+    return out
+
+
 def test_split_keys_merge_in_the_kernel_itself():
     """With split keys the Hopper kernel is the call's only launch: its plan binds no combine, a launch gets
     zeroed arrival counters (one per tile, head chunk and consumer of the grid; kept per stream on a GPU, fresh

@@ -132,6 +132,16 @@ FLAGS: tuple[Flag, ...] = (
          "1.05 / 1.07 x (engine / classic call: 435.8 vs 416.3 TFLOP/s), chunked 1.09 x (458.0 vs 419.6), the "
          "default suite's D96 row 1.06 x NHD (444.9 vs 420.6), 1.07 x split; decode level (1.00-1.02 x)",
          Where(padded_head=True)),
+    Flag("WIDE_BOXES", False,
+         "with `HEAD_PANELS`: a padded head's NHD pages (and new tokens) as 2-D TMA boxes of the tile's 128 columns "
+         "from the head's first, which bring the next head's first 32 columns into the columns no panel reads, "
+         "instead of boxes of a rank-3 view `[rows, heads, 96]` that fill them with zeros: the loads of head size "
+         "128's plain boxes (the last head's box ends past the row and reads zeros there)",
+         "nowhere until it is timed and checked on a GPU (`UNVERIFIED_FLAGS`): head size 96's MHA decode streams at "
+         "about half of head size 128's GB/s on the same grid, and the rank-3 boxes are what its loads do "
+         "differently",
+         "not measured yet",
+         Where(layout=NHD, padded_head=True, requires=("HEAD_PANELS",))),
     Flag("IDLE_HALF", True,
          "with `PINGPONG`: the second consumer, when its half of the tile holds no query row (a decode or "
          "speculative row's tile: 4 rows of 128 at a group of 4 heads; a sequence's short last tile), runs no MMA "
@@ -248,7 +258,7 @@ DEFAULTS = {flag.name: flag.default for flag in FLAGS}
 
 #: Flags that are built but have not yet passed the suites on a GPU or been timed there: off, and on no route of
 #: the policy, until they have (``PAGEDPREFILL_SM80_SCHEDULE`` turns one on to check and time it).
-UNVERIFIED_FLAGS: frozenset = frozenset()
+UNVERIFIED_FLAGS: frozenset = frozenset({"WIDE_BOXES"})
 
 
 def applied(asked: dict, shape: ProblemShape, config: TileConfig) -> dict:

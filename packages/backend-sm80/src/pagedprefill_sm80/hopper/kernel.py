@@ -160,9 +160,10 @@ def hopper_prefill_kernel(
     """Prefix-prefill attention of one query tile on sm90 (see the module docstring).
 
     NHD cache: ``k_cache``/``v_cache`` are TMA descriptors over the cache viewed as ``[blocks * PAGE, Hkv * D]``
-    (rank 3, ``[.., Hkv, D]``, for a padded head). Split cache: ``cache.key`` is the key cache itself, copied or
-    loaded 16 bytes at a time with ``strides``' key strides, and ``v_cache_t`` a TMA descriptor over the value
-    cache viewed as ``[blocks * Hkv * D, PAGE]``; under ``FP8_BOXES`` ``k_cache`` describes the key cache by pages.
+    (rank 3, ``[.., Hkv, D]``, for a padded head unless ``WIDE_BOXES``). Split cache: ``cache.key`` is the key
+    cache itself, copied or loaded 16 bytes at a time with ``strides``' key strides, and ``v_cache_t`` a TMA
+    descriptor over the value cache viewed as ``[blocks * Hkv * D, PAGE]``; under ``FP8_BOXES`` ``k_cache``
+    describes the key cache by pages.
     ``k_new``/``v_new`` describe the new tokens' K/V viewed as ``[T, Hkv * D]``. Descriptors a layout or feature
     does not use are placeholders. ``arrivals``: with split keys, one zeroed int32 counter per (tile, head chunk,
     consumer) of the grid (:func:`~.epilogue.merge_if_last`); a placeholder otherwise.

@@ -205,14 +205,15 @@ def call_tensors_of(p: PrefillProblem, config: TileConfig, flags: dict, grid: tu
     at :data:`DESCRIPTORS` (placeholders where a layout or feature does not use one) and the split keys' arrival
     counters (:func:`split_arrivals`) last. ``flags`` (resolved,
     :func:`.schedule.resolve`): under ``FP8_BOXES`` the split layout's FP8 key cache is described too, by
-    pages (:func:`_key_pages_descriptor`)."""
+    pages (:func:`_key_pages_descriptor`); under ``WIDE_BOXES`` a padded head's NHD boxes come from the 2-D view
+    (which :func:`unfit_reason` requires of every NHD call)."""
     c = p.cache
     D = p.head_size
     box = min(c.block_size, config.block_n)
     width = PADDED_HEADS.get(D, D)
 
-    def rows_of(n: int) -> list[int]:  # a box of n rows of one head
-        return [n, width] if width == D else [n, 1, width]
+    def rows_of(n: int) -> list[int]:  # a box of n rows of one head (WIDE_BOXES: on into the next head's columns)
+        return [n, width] if width == D or flags["WIDE_BOXES"] else [n, 1, width]
 
     key, value = as_stored_type(c.key, c.dtype), as_stored_type(c.value, c.dtype)
     if c.layout is KVLayout.SPLIT:

@@ -145,10 +145,11 @@ def split_values_async(cfg, split_values, vt_dst, table, kv_head, n0):
 @gluon.jit
 def copy_rows(cfg, desc, row, kv_head, col, barrier, tile, start, ROWS: gl.constexpr):
     """One TMA box of ``ROWS`` rows of one head into rows ``start ..`` of ``tile`` (``[BLOCK_N, HEAD_SIZE]``):
-    from the 2-D view ``[rows, heads x head size]`` at column ``col``, or (``PADDED``) from the rank-3 view at
-    ``kv_head`` (the buffer seen as ``[BLOCK_N, 1, HEAD_SIZE]`` first: a slice cannot be reshaped). ``ROWS`` is
-    the caller's: a cached tile's box (``BOX``), or a whole tile of new tokens."""
-    if cfg.PADDED:
+    from the 2-D view ``[rows, heads x head size]`` at column ``col`` (under ``WIDE_BOXES`` a padded head's box
+    too, its columns past the head the next head's), or (``PADDED``) from the rank-3 view at ``kv_head`` (the
+    buffer seen as ``[BLOCK_N, 1, HEAD_SIZE]`` first: a slice cannot be reshaped). ``ROWS`` is the caller's: a
+    cached tile's box (``BOX``), or a whole tile of new tokens."""
+    if cfg.PADDED and not cfg.SCHEDULE.WIDE_BOXES:
         dst3 = tile.reshape([cfg.BLOCK_N, 1, cfg.HEAD_SIZE])
         if ROWS < cfg.BLOCK_N:
             dst3 = dst3.slice(start, ROWS)

@@ -118,7 +118,9 @@ def producer(cfg, sources, ring, table, rows, walk):
     ``sources`` (:class:`~.state.Sources`) are the TMA descriptors and the split layout's keys and values with
     their strides; ``table`` the sequence's block-table row with the table's width
     and the cache's block count. A head narrower than the tile (NHD, ``PADDED``) comes through rank-3 descriptors
-    (``[rows, heads, head size]``), whose boxes of ``HEAD_SIZE`` columns read the columns past the head as zeros.
+    (``[rows, heads, head size]``), whose boxes of ``HEAD_SIZE`` columns read the columns past the head as zeros,
+    or under ``WIDE_BOXES`` through the 2-D ones, whose boxes read the next head's columns there (no panel of
+    ``HEAD_PANELS`` reads them).
     Under ``EARLY_KEYS`` a cached tile's keys are loaded into registers before the wait for its buffer, so that
     their latency passes while the consumers still hold the buffer.
     """

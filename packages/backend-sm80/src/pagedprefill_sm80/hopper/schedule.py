@@ -119,6 +119,7 @@ class Schedule(NamedTuple):
     HEAVY_FIRST: bool
     PINGPONG: bool
     HEAD_PANELS: bool
+    WIDE_BOXES: bool
     IDLE_HALF: bool
     KEY_LOADS: int
     VALUES_FIRST: bool
@@ -177,7 +178,8 @@ def kernel_schedule(flags: dict, shape: ProblemShape, config: TileConfig) -> Sch
     (:data:`PARTITIONS`)."""
     partition = PARTITIONS[producer_holds(flags, shape, config)]
     return Schedule(HEAVY_FIRST=flags["HEAVY_FIRST"], PINGPONG=flags["PINGPONG"],
-                    HEAD_PANELS=flags["HEAD_PANELS"], IDLE_HALF=flags["IDLE_HALF"], KEY_LOADS=key_chunk(flags),
+                    HEAD_PANELS=flags["HEAD_PANELS"], WIDE_BOXES=flags["WIDE_BOXES"],
+                    IDLE_HALF=flags["IDLE_HALF"], KEY_LOADS=key_chunk(flags),
                     VALUES_FIRST=flags["VALUES_FIRST"], EARLY_KEYS=flags["EARLY_KEYS"],
                     F32_WIDENING=flags["F32_WIDENING"], FP8_BOXES=flags["FP8_BOXES"], WIDEN_TO_V=flags["WIDEN_TO_V"],
                     FUSED_SCALE=flags["FUSED_SCALE"], FP8_SCORES=flags["FP8_SCORES"],
