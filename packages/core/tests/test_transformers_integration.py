@@ -39,6 +39,7 @@ import pytest
 import torch
 from pagedprefill import BackendUnavailableError, UnsupportedFeatureError
 from pagedprefill.integrations import transformers as integration
+from pagedprefill.testing.generation import greedy, prompts
 from pagedprefill.testing.interpreted import run_interpreted
 
 REASON = "transformers is not installed (pip install \"pagedprefill[transformers]\")"
@@ -71,25 +72,9 @@ def spy(monkeypatch):
     return calls
 
 
-def prompts(vocab: int, lengths=(5, 70, 17, 40, 3, 29), shared: int = 37, seed: int = 1) -> list[list[int]]:
-    """Prompts of the given lengths, then two that share a ``shared``-token prefix (scheduled after the
-    others, so that the prefix's blocks are complete when they arrive)."""
-    g = torch.Generator().manual_seed(seed)
-    out = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
-    prefix = torch.randint(1, vocab, (shared,), generator=g).tolist()
-    return out + [prefix + [7, 9], prefix + [11]]
-
-
 def generate(tr, model, impl, inputs, **cb):
     """Greedy ``generate_batch`` with ``impl``: each request's (tokens, log-probabilities)."""
-    model.set_attn_implementation(impl)
-    config = tr.ContinuousBatchingConfig(return_logprobs=True, **cb)
-    generation = tr.GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    out = model.generate_batch(inputs, generation_config=generation, continuous_batching_config=config)
-    results = list(out.values())
-    assert len(results) == len(inputs)
-    assert [r.error for r in results] == [None] * len(inputs)
-    return [(r.generated_tokens, r.logprobs) for r in results]
+    return greedy(tr, model, impl, inputs, NEW_TOKENS, **cb)
 
 
 def assert_same(ours, theirs):
