@@ -1,6 +1,8 @@
 """Fuzzing the generic backend against the reference in Triton's CPU interpreter (tiny random batches over the
 full ranges: see :mod:`pagedprefill.testing.fuzz`). The GPU fuzz runs in ``packages/core/tests/gpu``."""
 
+import dataclasses
+
 import pytest
 import torch
 from pagedprefill import DeviceInfo, get_registry
@@ -222,8 +224,6 @@ def test_precompile_runs_each_key_once_in_worker_processes(pagedprefill_device):
     (On a GPU they fill Triton's on-disk cache; here, in the interpreter, they only run the cases.)"""
     if pagedprefill_device.type != "cpu" or not interpreter_enabled():
         pytest.skip("runs the worker processes in the interpreter; the GPU fuzz runs them on the GPU")
-    import dataclasses
-
     sizes = dataclasses.replace(FuzzSizes.cpu(), keys=3, max_heads=4)
     result = precompile("generic", "cpu", sizes, seed=5, cases=30, workers=2, timeout_s=300,
                         features=get_registry().get("generic").supported_features)
@@ -241,7 +241,9 @@ def test_gpu_fuzz_case_840_small_fp8_output_scale(pagedprefill_device):
     if pagedprefill_device.type != "cpu" or not interpreter_enabled():
         pytest.skip("the interpreter's copy of a GPU fuzz case (the GPU fuzz runs the case itself)")
     backend = get_registry().get("generic")
-    spec = FuzzGenerator(0, FuzzSizes.preset("gpu"), backend.supported_features).spec(840)
+    # The GPU preset's head sizes of that run (96 joined them since): the same stream, so the same case 840.
+    sizes = dataclasses.replace(FuzzSizes.preset("gpu"), head_sizes=(1, 24, 64, 80, 128, 256))
+    spec = FuzzGenerator(0, sizes, backend.supported_features).spec(840)
     assert spec.fp8_out_scale is not None and spec.fp8_out_scale < 0.01 and spec.head_size == 256
     info = DeviceInfo.detect(pagedprefill_device)
     assert run_case(backend, info, pagedprefill_device, spec, label="gpu-fuzz/840")
