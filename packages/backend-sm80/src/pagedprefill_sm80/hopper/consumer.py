@@ -41,6 +41,9 @@ def hand_back(cfg, ring, tiles):
     for it in range(tiles):
         ring.wait_ready(it)
         ring.release(it)
+        if cfg.SCHEDULE.SOFTMAX_UNDER_PV:  # the values' buffers have barriers of their own
+            ring.wait_values(it)
+            ring.release_values(it)
 
 
 #: Rows of a V tile (keys) or of a V^T page (head columns, every key of the page) cleared per step by
@@ -141,6 +144,62 @@ def softmax_tile(cfg, scores, m_i, l_i, it, q_pos, alibi2, offs_n, rows, walk, k
 
 
 @gluon.jit
+def clear_if_last_cached(cfg, ring, walk, kv_len, it):
+    """Clear the stale values of key tile ``it`` where the cached keys end inside it (:func:`clear_stale_values`):
+    its page boxes brought in slots past them."""
+    if it < walk.cache_tiles:
+        valid_keys = kv_len - (walk.cache_start + it * cfg.BLOCK_N)
+        if valid_keys < cfg.BLOCK_N:
+            clear_stale_values(cfg, ring.v.index(ring.stage(it)), valid_keys, False)
+
+
+@gluon.jit
+def softmax_under_values(cfg, q_smem, ring, walk, kv_len, acc, m_i, l_i, q_pos, alibi2, offs_n, rows, window,
+                         softcap, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                         p_layout: gl.constexpr):
+    """The key loop under ``SOFTMAX_UNDER_PV`` (the NHD layout's 16-bit tiles, a head that fills the tile): for
+    tile ``it``, ``Q K^T`` and the previous tile's ``P V`` are issued together, the keys handed back once the scores
+    are in, and tile ``it``'s softmax runs while ``P V`` is in flight; the accumulator is rescaled when it lands and
+    the previous tile's values handed back. The first tile's scores come alone, the last tile's ``P V`` after the
+    loop. The accumulator is rescaled on every tile (``LAZY_RESCALE`` does not apply). Returns ``(acc, m, l)``."""
+    tiles = walk.cache_tiles + walk.new_tiles
+    p_op = gl.zeros([cfg.ROWS, cfg.BLOCK_N], ring.v.dtype, p_layout)
+    if tiles > 0:
+        ring.wait_ready(0)
+        scores = scores_mma(cfg, q_smem, ring.k.index(0), s_layout)
+        gl.thread_barrier()  # every warp's scores are in: one arrival hands the keys back
+        ring.release(0)
+        p_op, alpha, m_i, l_i = softmax_tile(cfg, scores, m_i, l_i, 0, q_pos, alibi2, offs_n, rows, walk, kv_len,
+                                             window, softcap, qk_scale, p_layout, ring.v.dtype)
+    for it in range(1, tiles):
+        ring.wait_ready(it)
+        zeros = gl.zeros([cfg.ROWS, cfg.BLOCK_N], gl.float32, s_layout)
+        scores = warpgroup_mma(q_smem, ring.k.index(ring.stage(it)).permute((1, 0)), zeros, use_acc=False,
+                               is_async=True)
+        ring.wait_values(it - 1)
+        clear_if_last_cached(cfg, ring, walk, kv_len, it - 1)
+        acc = warpgroup_mma(p_op, ring.v.index(ring.stage(it - 1)), acc, is_async=True)
+        # The older group, the scores, is in; P V may still run.
+        scores = warpgroup_mma_wait(1, deps=[scores])
+        gl.thread_barrier()
+        ring.release(it)
+        p_op, alpha, m_i, l_i = softmax_tile(cfg, scores, m_i, l_i, it, q_pos, alibi2, offs_n, rows, walk, kv_len,
+                                             window, softcap, qk_scale, p_layout, ring.v.dtype)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        gl.thread_barrier()
+        ring.release_values(it - 1)
+        acc = rescaled(acc, alpha, o_layout)
+    if tiles > 0:
+        last = tiles - 1
+        ring.wait_values(last)
+        clear_if_last_cached(cfg, ring, walk, kv_len, last)
+        acc = warpgroup_mma(p_op, ring.v.index(ring.stage(last)), acc)
+        gl.thread_barrier()
+        ring.release_values(last)
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
     """Consume the ring for rows ``ROW0 .. ROW0 + ROWS`` of the tile (``q_smem`` holds those rows): scores,
     online softmax and ``P V`` per key tile; then normalise and store (:func:`~.epilogue.store_rows`).
@@ -201,54 +260,59 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
     if idle:
         hand_back(cfg, ring, cache_tiles + walk.new_tiles)
     else:
-        for it in range(cache_tiles + walk.new_tiles):
-            s = ring.stage(it)
-            from_cache = it < cache_tiles
-            wait_tile(cfg, ring, it, from_cache)
-            if from_cache:
-                # The cached keys end inside this tile: its page boxes brought in slots past them. Cleared before
-                # the scores, while only the accumulator and the row statistics hold registers.
-                valid_keys = kv_len - (walk.cache_start + it * cfg.BLOCK_N)
-                if valid_keys < cfg.BLOCK_N:
-                    if CACHED_VT:
-                        clear_stale_values(cfg, ring.vt.index(s), valid_keys, True)
-                    else:
-                        clear_stale_values(cfg, ring.v.index(s), valid_keys, False)
-            if cfg.LAYOUT.FP8_CACHE:
-                if it == cache_tiles:  # the cached tiles are done: their values' scale, once
-                    acc = acc * v_scale
+        if cfg.SCHEDULE.SOFTMAX_UNDER_PV:
+            acc, m_i, l_i = softmax_under_values(cfg, q_smem, ring, walk, kv_len, acc, m_i, l_i, q_pos, alibi2,
+                                                 offs_n, rows, window, softcap, qk_scale, s_layout, o_layout,
+                                                 p_layout)
+        else:
+            for it in range(cache_tiles + walk.new_tiles):
+                s = ring.stage(it)
+                from_cache = it < cache_tiles
+                wait_tile(cfg, ring, it, from_cache)
+                if from_cache:
+                    # The cached keys end inside this tile: its page boxes brought in slots past them. Cleared before
+                    # the scores, while only the accumulator and the row statistics hold registers.
+                    valid_keys = kv_len - (walk.cache_start + it * cfg.BLOCK_N)
+                    if valid_keys < cfg.BLOCK_N:
+                        if CACHED_VT:
+                            clear_stale_values(cfg, ring.vt.index(s), valid_keys, True)
+                        else:
+                            clear_stale_values(cfg, ring.v.index(s), valid_keys, False)
+                if cfg.LAYOUT.FP8_CACHE:
+                    if it == cache_tiles:  # the cached tiles are done: their values' scale, once
+                        acc = acc * v_scale
+                        if cfg.PANELS:
+                            acc_narrow = acc_narrow * v_scale
+                scores = scores_mma(cfg, q_smem, ring.k.index(s), s_layout)
+                tile_scale = qk_scale
+                if cfg.LAYOUT.FP8_CACHE and from_cache:
+                    tile_scale = qk_scale_cache
+                m_old = m_i
+                p_op, alpha, m_i, l_i = softmax_tile(cfg, scores, m_i, l_i, it, q_pos, alibi2, offs_n, rows, walk,
+                                                     kv_len, window, softcap, tile_scale, p_layout, ring.v.dtype)
+                max_moved = True
+                if cfg.SCHEDULE.LAZY_RESCALE:
+                    # alpha is exactly 1 on every row whose max stayed: one vote of the consumer's rows decides.
+                    max_moved = gl.max((m_i != m_old).to(gl.int32), 0) > 0
+                if max_moved:
+                    acc = rescaled(acc, alpha, o_layout)
                     if cfg.PANELS:
-                        acc_narrow = acc_narrow * v_scale
-            scores = scores_mma(cfg, q_smem, ring.k.index(s), s_layout)
-            tile_scale = qk_scale
-            if cfg.LAYOUT.FP8_CACHE and from_cache:
-                tile_scale = qk_scale_cache
-            m_old = m_i
-            p_op, alpha, m_i, l_i = softmax_tile(cfg, scores, m_i, l_i, it, q_pos, alibi2, offs_n, rows, walk, kv_len,
-                                                 window, softcap, tile_scale, p_layout, ring.v.dtype)
-            max_moved = True
-            if cfg.SCHEDULE.LAZY_RESCALE:
-                # alpha is exactly 1 on every row whose max stayed: one vote of the consumer's rows decides.
-                max_moved = gl.max((m_i != m_old).to(gl.int32), 0) > 0
-            if max_moved:
-                acc = rescaled(acc, alpha, o_layout)
+                        acc_narrow = rescaled(acc_narrow, alpha, on_layout)
+                # Cached values arrive transposed (V^T pages) in their own ring, new tokens' values as rows.
                 if cfg.PANELS:
-                    acc_narrow = rescaled(acc_narrow, alpha, on_layout)
-            # Cached values arrive transposed (V^T pages) in their own ring, new tokens' values as rows.
-            if cfg.PANELS:
-                p_narrow = gl.convert_layout(p_op, pn_layout)
-                if CACHED_VT and from_cache:
-                    acc, acc_narrow = values_mma_panels(cfg, p_op, p_narrow, ring.vt.index(s).permute((1, 0)), acc,
-                                                        acc_narrow)
+                    p_narrow = gl.convert_layout(p_op, pn_layout)
+                    if CACHED_VT and from_cache:
+                        acc, acc_narrow = values_mma_panels(cfg, p_op, p_narrow, ring.vt.index(s).permute((1, 0)), acc,
+                                                            acc_narrow)
+                    else:
+                        acc, acc_narrow = values_mma_panels(cfg, p_op, p_narrow, ring.v.index(s), acc, acc_narrow)
+                elif CACHED_VT and from_cache:
+                    acc = warpgroup_mma(p_op, ring.vt.index(s).permute((1, 0)), acc)
                 else:
-                    acc, acc_narrow = values_mma_panels(cfg, p_op, p_narrow, ring.v.index(s), acc, acc_narrow)
-            elif CACHED_VT and from_cache:
-                acc = warpgroup_mma(p_op, ring.vt.index(s).permute((1, 0)), acc)
-            else:
-                acc = warpgroup_mma(p_op, ring.v.index(s), acc)
-            # Every warp of this consumer is done with the buffer (its MMAs are synchronous): one arrival for all.
-            gl.thread_barrier()
-            ring.release(it)
+                    acc = warpgroup_mma(p_op, ring.v.index(s), acc)
+                # Every warp of this consumer is done with the buffer (its MMAs are synchronous): one arrival for all.
+                gl.thread_barrier()
+                ring.release(it)
         if cfg.LAYOUT.FP8_CACHE:
             if walk.new_tiles == 0:  # no new tile followed the cached ones
                 acc = acc * v_scale

@@ -53,6 +53,7 @@ class Where(NamedTuple):
     kv_in_cache: bool = False  # every key a cache page's (k = v = None)
     one_walk: bool = False  # each tile's keys walked by one program (no key splits)
     requires: tuple[str, ...] = ()  # flags that must have resolved on (earlier rows of FLAGS)
+    unless: tuple[str, ...] = ()  # flags that must have resolved off (earlier rows of FLAGS)
 
     def holds(self, shape: ProblemShape, config: TileConfig, flags: dict) -> bool:
         """Whether calls of ``shape`` on ``config`` are here, with ``flags`` the flags resolved so far."""
@@ -71,7 +72,8 @@ class Where(NamedTuple):
                 and (not self.fp8_query or shape.fp8_query)
                 and (not self.kv_in_cache or shape.kv_in_cache)
                 and (not self.one_walk or config.key_splits == 1)
-                and all(flags[name] for name in self.requires))
+                and all(flags[name] for name in self.requires)
+                and not any(flags[name] for name in self.unless))
 
     def describe(self) -> str:
         """The rule in words, for the docs' table."""
@@ -89,7 +91,8 @@ class Where(NamedTuple):
                  *(f"at a padded head with `{name}`" for name in self.padded_requires),
                  "an FP8 query" if self.fp8_query else "", "every key in the cache" if self.kv_in_cache else "",
                  "one program per tile's keys (no key splits)" if self.one_walk else "",
-                 *(f"with `{name}`" for name in self.requires)]
+                 *(f"with `{name}`" for name in self.requires),
+                 *(f"without `{name}`" for name in self.unless)]
         return ", ".join(part for part in parts if part) or "every call"
 
 
@@ -154,6 +157,17 @@ FLAGS: tuple[Flag, ...] = (
          "speculative 128 x 4 1.10 x, decode 4 x 128k 1.12 x, 16 x 32k 1.11 x, speculative 2 x 8 on 64k 1.07 x; "
          "split form 1.06-1.11 x on those rows; prefill rows level (0.99-1.02 x)",
          Where(max_keys=128, padded_requires=("HEAD_PANELS",), requires=("PINGPONG",))),
+    Flag("SOFTMAX_UNDER_PV", False,
+         "each consumer issues tile j's `Q K^T` and tile j-1's `P V` together and runs tile j's softmax while `P V` "
+         "is in flight, rescaling the accumulator once it lands; the ring's K and V buffers have barriers of their "
+         "own, so that a tile's keys are handed back when its scores are in and its values when its `P V` is "
+         "done, and the producer refills each as soon as it is free",
+         "nowhere until it is timed and checked on a GPU (`UNVERIFIED_FLAGS`): the consumers wait for their own "
+         "MMAs a third of their time (run 31) and the tensor pipe is busy 60% against FA4's 69-78%. It rescales "
+         "on every tile: `LAZY_RESCALE`'s vote beside the scores and P of two tiles spilled 4 bytes; on 256-key "
+         "tiles (head size 64's long calls) the scores of two tiles spill 624 bytes",
+         "not measured yet",
+         Where(layout=NHD, cache="16-bit", max_keys=128, full_head=True, requires=("PINGPONG",))),
     Flag("WIDE_PRODUCER", False,
          "the producer a warpgroup of four warps sharing the split layout's 16-byte key copies (56 registers per "
          "producer thread, 224 per consumer thread)",
@@ -250,7 +264,8 @@ FLAGS: tuple[Flag, ...] = (
          "prefill rows, level on decode; where it is off it measured 0.86-1.01 x with an FP8 cache, 0.98-1.03 x "
          "with the new tokens' K/V passed apart, 0.97-0.99 x on 256-key tiles (head size 64), 0.95 x with split "
          "keys",
-         Where(layout=NHD, cache="16-bit", max_keys=128, kv_in_cache=True, one_walk=True)),
+         Where(layout=NHD, cache="16-bit", max_keys=128, kv_in_cache=True, one_walk=True,
+               unless=("SOFTMAX_UNDER_PV",))),
 )
 
 #: Every flag, with its value before a route's flags and the resolution apply.
@@ -258,7 +273,7 @@ DEFAULTS = {flag.name: flag.default for flag in FLAGS}
 
 #: Flags that are built but have not yet passed the suites on a GPU or been timed there: off, and on no route of
 #: the policy, until they have (``PAGEDPREFILL_SM80_SCHEDULE`` turns one on to check and time it).
-UNVERIFIED_FLAGS: frozenset = frozenset({"WIDE_BOXES"})
+UNVERIFIED_FLAGS: frozenset = frozenset({"WIDE_BOXES", "SOFTMAX_UNDER_PV"})
 
 
 def applied(asked: dict, shape: ProblemShape, config: TileConfig) -> dict:

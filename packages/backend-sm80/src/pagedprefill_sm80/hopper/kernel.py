@@ -111,8 +111,18 @@ def allocate_ring(cfg, v_cache_t, k_cache, dtype: gl.constexpr):
         ready8 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready8.index(i), count=1)
+    ready_v = ready  # the values' own barriers under SOFTMAX_UNDER_PV
+    empty_v = empty
+    if cfg.SCHEDULE.SOFTMAX_UNDER_PV:
+        gl.static_assert(not TWO_ARRIVALS and not cfg.WRITTEN and not cfg.PANELS,
+                         "SOFTMAX_UNDER_PV: the NHD layout's 16-bit boxes at a head size that fills the tile")
+        ready_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready_v.index(i), count=1)
+            mbarrier.init(empty_v.index(i), count=cfg.CONSUMERS)
     fence_async_shared()
-    return Ring(k_smem, v_smem, vt_smem, k8_smem, v8_smem, ready, empty, ready8, STAGES)
+    return Ring(k_smem, v_smem, vt_smem, k8_smem, v8_smem, ready, empty, ready8, ready_v, empty_v, STAGES)
 
 
 @gluon.jit

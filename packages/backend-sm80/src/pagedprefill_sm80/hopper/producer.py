@@ -112,6 +112,31 @@ def widen_tile(cfg, ring, s):
 
 
 @gluon.jit
+def keys_then_values(cfg, sources, ring, table, rows, walk, col, it):
+    """Under ``SOFTMAX_UNDER_PV``: key tile ``it``'s keys into its K buffer (free: the caller waited), counted by
+    ``ready``, then its values once the consumers have handed that V buffer back, counted by ``ready_v``. The
+    consumers hand a tile's keys back when its scores are in, and its values a tile later, when its ``P V`` is
+    done: each buffer is refilled as soon as it is free."""
+    s = ring.stage(it)
+    k_dst = ring.k.index(s)
+    v_dst = ring.v.index(s)
+    if it < walk.cache_tiles:
+        n0 = walk.cache_start + it * cfg.BLOCK_N
+        cached_boxes(cfg, sources.k_cache, sources.v_cache, table, rows.kv_head, col, n0, ring.ready.index(s),
+                     k_dst, k_dst, VALUES=False)
+        ring.wait_values_empty(it)
+        cached_boxes(cfg, sources.k_cache, sources.v_cache, table, rows.kv_head, col, n0, ring.ready_v.index(s),
+                     v_dst, v_dst, KEYS=False)
+    else:
+        row = rows.seq_row0 + walk.new_start + (it - walk.cache_tiles) * cfg.BLOCK_N
+        mbarrier.expect(ring.ready.index(s), cfg.tile_bytes(sources.k_new.dtype))
+        copy_rows(cfg, sources.k_new, row, rows.kv_head, col, ring.ready.index(s), k_dst, 0, cfg.BLOCK_N)
+        ring.wait_values_empty(it)
+        mbarrier.expect(ring.ready_v.index(s), cfg.tile_bytes(sources.v_new.dtype))
+        copy_rows(cfg, sources.v_new, row, rows.kv_head, col, ring.ready_v.index(s), v_dst, 0, cfg.BLOCK_N)
+
+
+@gluon.jit
 def producer(cfg, sources, ring, table, rows, walk):
     """Fill the ring with the key tiles of ``walk``, for the query tile at ``rows``.
 
@@ -152,7 +177,9 @@ def producer(cfg, sources, ring, table, rows, walk):
         s = ring.stage(it)
         ring.wait_empty(it)
         k_dst = ring.k.index(s)
-        if it < cache_tiles:
+        if cfg.SCHEDULE.SOFTMAX_UNDER_PV:
+            keys_then_values(cfg, sources, ring, table, rows, walk, col, it)
+        elif it < cache_tiles:
             if cfg.LAYOUT.FP8_CACHE:
                 if cfg.SCHEDULE.FP8_SCORES and not cfg.LAYOUT.SPLIT:
                     keys_to_ring(cfg, sources, table, kv_head, col, cache_start + it * cfg.BLOCK_N,

@@ -121,6 +121,7 @@ class Schedule(NamedTuple):
     HEAD_PANELS: bool
     WIDE_BOXES: bool
     IDLE_HALF: bool
+    SOFTMAX_UNDER_PV: bool
     KEY_LOADS: int
     VALUES_FIRST: bool
     EARLY_KEYS: bool
@@ -179,7 +180,8 @@ def kernel_schedule(flags: dict, shape: ProblemShape, config: TileConfig) -> Sch
     partition = PARTITIONS[producer_holds(flags, shape, config)]
     return Schedule(HEAVY_FIRST=flags["HEAVY_FIRST"], PINGPONG=flags["PINGPONG"],
                     HEAD_PANELS=flags["HEAD_PANELS"], WIDE_BOXES=flags["WIDE_BOXES"],
-                    IDLE_HALF=flags["IDLE_HALF"], KEY_LOADS=key_chunk(flags),
+                    IDLE_HALF=flags["IDLE_HALF"], SOFTMAX_UNDER_PV=flags["SOFTMAX_UNDER_PV"],
+                    KEY_LOADS=key_chunk(flags),
                     VALUES_FIRST=flags["VALUES_FIRST"], EARLY_KEYS=flags["EARLY_KEYS"],
                     F32_WIDENING=flags["F32_WIDENING"], FP8_BOXES=flags["FP8_BOXES"], WIDEN_TO_V=flags["WIDEN_TO_V"],
                     FUSED_SCALE=flags["FUSED_SCALE"], FP8_SCORES=flags["FP8_SCORES"],

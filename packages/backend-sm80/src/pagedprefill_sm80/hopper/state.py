@@ -175,7 +175,8 @@ class Ring:
     read, ``vt`` the split layout's cached values as V^T pages (``v`` itself in NHD), ``k8``/``v8`` an FP8 cache's
     tiles as they land (``k``/``v`` themselves for a 16-bit cache). ``ready`` completes when a buffer's tile is
     there, ``empty`` when every consumer is done with it; ``ready8`` (FP8 caches, seen by the producer only) when
-    its FP8 bytes have landed.
+    its FP8 bytes have landed. Under ``SOFTMAX_UNDER_PV`` the values have barriers of their own, ``ready_v`` and
+    ``empty_v`` (``ready`` and ``empty`` then count the keys alone); otherwise they are ``ready`` and ``empty``.
 
     Key tile ``it`` of a walk goes through buffer ``stage(it)``, on that buffer's ``it // STAGES``-th round; a
     barrier completes once per round, so a wait for tile ``it`` waits for the parity ``phase(it)``. The methods
@@ -190,10 +191,12 @@ class Ring:
     ready: gl.shared_memory_descriptor
     empty: gl.shared_memory_descriptor
     ready8: gl.shared_memory_descriptor
+    ready_v: gl.shared_memory_descriptor
+    empty_v: gl.shared_memory_descriptor
     STAGES: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, k, v, vt, k8, v8, ready, empty, ready8, STAGES):
+    def __init__(self, k, v, vt, k8, v8, ready, empty, ready8, ready_v, empty_v, STAGES):
         self.k = k
         self.v = v
         self.vt = vt
@@ -202,6 +205,8 @@ class Ring:
         self.ready = ready
         self.empty = empty
         self.ready8 = ready8
+        self.ready_v = ready_v
+        self.empty_v = empty_v
         self.STAGES = gl.constexpr(STAGES)
 
     @gluon.jit
@@ -229,6 +234,23 @@ class Ring:
         """The producer: wait until every consumer released the buffer tile ``it`` is to fill, on its previous
         round (the first round passes at once: the parity before any completion)."""
         mbarrier.wait(self.empty.index(self.stage(it)), self.phase(it) ^ 1)
+
+    @gluon.jit
+    def wait_values(self, it):
+        """Wait until key tile ``it``'s values have landed (under ``SOFTMAX_UNDER_PV``; otherwise
+        :meth:`wait_ready` covers them)."""
+        mbarrier.wait(self.ready_v.index(self.stage(it)), self.phase(it))
+
+    @gluon.jit
+    def release_values(self, it):
+        """One consumer is done with tile ``it``'s values (under ``SOFTMAX_UNDER_PV``)."""
+        mbarrier.arrive(self.empty_v.index(self.stage(it)), count=1)
+
+    @gluon.jit
+    def wait_values_empty(self, it):
+        """The producer: wait until every consumer released the value buffer tile ``it`` is to fill (under
+        ``SOFTMAX_UNDER_PV``)."""
+        mbarrier.wait(self.empty_v.index(self.stage(it)), self.phase(it) ^ 1)
 
     @gluon.jit
     def wait_landed(self, it):
