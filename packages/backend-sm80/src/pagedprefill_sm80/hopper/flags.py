@@ -163,7 +163,7 @@ FLAGS: tuple[Flag, ...] = (
          "own, so that a tile's keys are handed back when its scores are in and its values when its `P V` is "
          "done, and the producer refills each as soon as it is free",
          "nowhere until it is timed and checked on a GPU (`UNVERIFIED_FLAGS`): the consumers wait for their own "
-         "MMAs a third of their time (run 31) and the tensor pipe is busy 60% against FA4's 69-78%. It rescales "
+         "MMAs a third of their time and the tensor pipe is busy 60% against FA4's 69-78%. It rescales "
          "on every tile: `LAZY_RESCALE`'s vote beside the scores and P of two tiles spilled 4 bytes; on 256-key "
          "tiles (head size 64's long calls) the scores of two tiles spill 624 bytes",
          "not measured yet",
