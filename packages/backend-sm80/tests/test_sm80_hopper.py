@@ -1591,40 +1591,44 @@ def compile_wide_boxes() -> dict:
 
 def test_softmax_under_pv_keeps_p_v_in_flight_over_the_softmax_without_spills():
     """``SOFTMAX_UNDER_PV`` (built, not yet timed on a GPU: off) applies to the NHD layout's 16-bit tiles of up to
-    128 keys at a head size that fills the tile, and turns ``LAZY_RESCALE`` off there. Compiled for sm90 (the
-    engine's call, and the classic one with the new tokens' tiles) each consumer waits for its MMAs with one group
-    still in flight (``WARPGROUP.DEPBAR.LE gsb0, 0x1``: the previous tile's ``P V`` under the softmax), without
-    spills or instructions on an in-flight MMA's registers."""
+    128 keys (head size 96 with ``HEAD_PANELS``), and turns ``LAZY_RESCALE`` off there. Compiled for sm90 (the
+    engine's call at head size 128, and the classic one at head size 96: the new tokens' tiles and the panels)
+    each consumer waits for the scores with ``P V`` still in flight (``WARPGROUP.DEPBAR.LE gsb0, 0x1``, ``0x2``
+    with the panels' two MMAs), without spills or instructions on an in-flight MMA's registers."""
     assert not DEFAULTS["SOFTMAX_UNDER_PV"]
     engine = problem_shape(make_problem(SPEC.replace(kv_in_cache=True)))
     flags = resolve(engine, hopper_config(engine), dict(SOFTMAX_UNDER_PV=True))
     assert flags["SOFTMAX_UNDER_PV"] and not flags["LAZY_RESCALE"]
     assert resolve(engine, hopper_config(engine))["LAZY_RESCALE"]
-    for other in (shape(head_size=96), shape(layout="split"), shape(kv_cache_dtype="fp8_e4m3")):
+    d96 = shape(head_size=96)
+    assert resolve(d96, hopper_config(d96), dict(SOFTMAX_UNDER_PV=True))["SOFTMAX_UNDER_PV"]
+    assert not resolve(d96, hopper_config(d96), dict(SOFTMAX_UNDER_PV=True, HEAD_PANELS=False))["SOFTMAX_UNDER_PV"]
+    for other in (shape(layout="split"), shape(kv_cache_dtype="fp8_e4m3")):
         assert not resolve(other, hopper_config(other), dict(SOFTMAX_UNDER_PV=True))["SOFTMAX_UNDER_PV"], other
     d64 = dataclasses.replace(shape(head_size=64), num_tokens=4096, num_seqs=2, max_query_len=2048)  # 256 keys
     assert not resolve(d64, hopper_config(d64), dict(SOFTMAX_UNDER_PV=True))["SOFTMAX_UNDER_PV"]
     for name, summary in child_result("compile_softmax_under_pv").items():
         assert summary["spill_bytes"] in (0, None) and summary["wgmma_hazards"] in (0, None), (name, summary)
-        if summary["waits_with_one_in_flight"] is not None:
-            assert summary["waits_with_one_in_flight"] > 0, (name, summary)
+        if summary["waits_with_p_v_in_flight"] is not None:
+            assert summary["waits_with_p_v_in_flight"] > 0, (name, summary)
 
 
 def compile_softmax_under_pv() -> dict:
-    """Codegen summaries of the bench shape's engine and classic calls under ``SOFTMAX_UNDER_PV``, with the SASS's
-    MMA waits that leave one group in flight."""
+    """Codegen summaries of the engine's call at head size 128 and the classic one at head size 96 under
+    ``SOFTMAX_UNDER_PV``, with the SASS's MMA waits that leave ``P V``'s groups in flight."""
     from pagedprefill.triton.codegen import compile_call, sass, summarize
     from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
 
     out = {}
-    for name, spec in (("engine", SPEC.replace(kv_in_cache=True)), ("classic", SPEC)):
+    for name, spec, in_flight in (("engine-128", SPEC.replace(kv_in_cache=True), "0x1"),
+                                  ("classic-96", SPEC.replace(head_size=96), "0x2")):
         problem = make_problem(spec)
         s = problem_shape(problem)
         call = kernel_call(problem, hopper_config(s), s, dict(SOFTMAX_UNDER_PV=True))
         compiled = compile_call(hopper_prefill_kernel, call, 90)
         code = sass(compiled)
-        out[name] = {**summarize(compiled, 90).to_dict(),
-                     "waits_with_one_in_flight": None if code is None else code.count("WARPGROUP.DEPBAR.LE gsb0, 0x1")}
+        out[name] = {**summarize(compiled, 90).to_dict(), "waits_with_p_v_in_flight":
+                     None if code is None else code.count(f"WARPGROUP.DEPBAR.LE gsb0, {in_flight}")}
     return out
 
 

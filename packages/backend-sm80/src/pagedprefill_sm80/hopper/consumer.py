@@ -154,14 +154,18 @@ def clear_if_last_cached(cfg, ring, walk, kv_len, it):
 
 
 @gluon.jit
-def softmax_under_values(cfg, q_smem, ring, walk, kv_len, acc, m_i, l_i, q_pos, alibi2, offs_n, rows, window,
+def softmax_under_values(cfg, q_smem, ring, walk, kv_len, accs, m_i, l_i, q_pos, alibi2, offs_n, rows, window,
                          softcap, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                         p_layout: gl.constexpr):
-    """The key loop under ``SOFTMAX_UNDER_PV`` (the NHD layout's 16-bit tiles, a head that fills the tile): for
-    tile ``it``, ``Q K^T`` and the previous tile's ``P V`` are issued together, the keys handed back once the scores
-    are in, and tile ``it``'s softmax runs while ``P V`` is in flight; the accumulator is rescaled when it lands and
-    the previous tile's values handed back. The first tile's scores come alone, the last tile's ``P V`` after the
-    loop. The accumulator is rescaled on every tile (``LAZY_RESCALE`` does not apply). Returns ``(acc, m, l)``."""
+                         on_layout: gl.constexpr, p_layout: gl.constexpr, pn_layout: gl.constexpr):
+    """The key loop under ``SOFTMAX_UNDER_PV`` (the NHD layout's 16-bit tiles): for tile ``it``, ``Q K^T`` and the
+    previous tile's ``P V`` are issued together, the keys handed back once the scores are in, and tile ``it``'s
+    softmax runs while ``P V`` is in flight; the accumulators are rescaled when it lands and the previous tile's
+    values handed back. The first tile's scores come alone, the last tile's ``P V`` after the loop. ``accs``: the
+    accumulator, and beside it a padded head's narrow panel (``PANELS``). The accumulators are rescaled on every
+    tile (``LAZY_RESCALE`` does not apply). Returns ``(accs, m, l)``."""
+    acc = accs[0]
+    if cfg.PANELS:
+        acc_narrow = accs[1]
     tiles = walk.cache_tiles + walk.new_tiles
     p_op = gl.zeros([cfg.ROWS, cfg.BLOCK_N], ring.v.dtype, p_layout)
     if tiles > 0:
@@ -173,30 +177,57 @@ def softmax_under_values(cfg, q_smem, ring, walk, kv_len, acc, m_i, l_i, q_pos, 
                                              window, softcap, qk_scale, p_layout, ring.v.dtype)
     for it in range(1, tiles):
         ring.wait_ready(it)
+        k_tile = ring.k.index(ring.stage(it))
         zeros = gl.zeros([cfg.ROWS, cfg.BLOCK_N], gl.float32, s_layout)
-        scores = warpgroup_mma(q_smem, ring.k.index(ring.stage(it)).permute((1, 0)), zeros, use_acc=False,
-                               is_async=True)
+        if cfg.PANELS:
+            scores = warpgroup_mma(q_smem.slice(0, cfg.WIDE, dim=1), k_tile.slice(0, cfg.WIDE, dim=1).permute((1, 0)),
+                                   zeros, use_acc=False, is_async=True)
+            scores = warpgroup_mma(q_smem.slice(cfg.WIDE, cfg.NARROW, dim=1),
+                                   k_tile.slice(cfg.WIDE, cfg.NARROW, dim=1).permute((1, 0)), scores, is_async=True)
+        else:
+            scores = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
         ring.wait_values(it - 1)
         clear_if_last_cached(cfg, ring, walk, kv_len, it - 1)
-        acc = warpgroup_mma(p_op, ring.v.index(ring.stage(it - 1)), acc, is_async=True)
-        # The older group, the scores, is in; P V may still run.
-        scores = warpgroup_mma_wait(1, deps=[scores])
+        values = ring.v.index(ring.stage(it - 1))
+        # The scores' groups are the older ones: waited for with P V's still in flight.
+        if cfg.PANELS:
+            acc = warpgroup_mma(p_op, values.slice(0, cfg.WIDE, dim=1), acc, is_async=True)
+            acc_narrow = warpgroup_mma(gl.convert_layout(p_op, pn_layout), values.slice(cfg.WIDE, cfg.NARROW, dim=1),
+                                       acc_narrow, is_async=True)
+            scores = warpgroup_mma_wait(2, deps=[scores])
+        else:
+            acc = warpgroup_mma(p_op, values, acc, is_async=True)
+            scores = warpgroup_mma_wait(1, deps=[scores])
         gl.thread_barrier()
         ring.release(it)
         p_op, alpha, m_i, l_i = softmax_tile(cfg, scores, m_i, l_i, it, q_pos, alibi2, offs_n, rows, walk, kv_len,
                                              window, softcap, qk_scale, p_layout, ring.v.dtype)
-        acc = warpgroup_mma_wait(0, deps=[acc])
+        if cfg.PANELS:
+            acc, acc_narrow = warpgroup_mma_wait(0, deps=[acc, acc_narrow])
+        else:
+            acc = warpgroup_mma_wait(0, deps=[acc])
         gl.thread_barrier()
         ring.release_values(it - 1)
         acc = rescaled(acc, alpha, o_layout)
+        if cfg.PANELS:
+            acc_narrow = rescaled(acc_narrow, alpha, on_layout)
     if tiles > 0:
         last = tiles - 1
         ring.wait_values(last)
         clear_if_last_cached(cfg, ring, walk, kv_len, last)
-        acc = warpgroup_mma(p_op, ring.v.index(ring.stage(last)), acc)
+        values = ring.v.index(ring.stage(last))
+        if cfg.PANELS:
+            acc, acc_narrow = values_mma_panels(cfg, p_op, gl.convert_layout(p_op, pn_layout), values, acc,
+                                                acc_narrow)
+        else:
+            acc = warpgroup_mma(p_op, values, acc)
         gl.thread_barrier()
         ring.release_values(last)
-    return acc, m_i, l_i
+    if cfg.PANELS:
+        accs = (acc, acc_narrow)
+    else:
+        accs = (acc,)
+    return accs, m_i, l_i
 
 
 @gluon.jit
@@ -261,9 +292,16 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
         hand_back(cfg, ring, cache_tiles + walk.new_tiles)
     else:
         if cfg.SCHEDULE.SOFTMAX_UNDER_PV:
-            acc, m_i, l_i = softmax_under_values(cfg, q_smem, ring, walk, kv_len, acc, m_i, l_i, q_pos, alibi2,
-                                                 offs_n, rows, window, softcap, qk_scale, s_layout, o_layout,
-                                                 p_layout)
+            if cfg.PANELS:
+                accs = (acc, acc_narrow)
+            else:
+                accs = (acc,)
+            accs, m_i, l_i = softmax_under_values(cfg, q_smem, ring, walk, kv_len, accs, m_i, l_i, q_pos, alibi2,
+                                                  offs_n, rows, window, softcap, qk_scale, s_layout, o_layout,
+                                                  on_layout, p_layout, pn_layout)
+            acc = accs[0]
+            if cfg.PANELS:
+                acc_narrow = accs[1]
         else:
             for it in range(cache_tiles + walk.new_tiles):
                 s = ring.stage(it)

@@ -167,7 +167,8 @@ FLAGS: tuple[Flag, ...] = (
          "on every tile: `LAZY_RESCALE`'s vote beside the scores and P of two tiles spilled 4 bytes; on 256-key "
          "tiles (head size 64's long calls) the scores of two tiles spill 624 bytes",
          "not measured yet",
-         Where(layout=NHD, cache="16-bit", max_keys=128, full_head=True, requires=("PINGPONG",))),
+         Where(layout=NHD, cache="16-bit", max_keys=128, padded_requires=("HEAD_PANELS",),
+               requires=("PINGPONG",))),
     Flag("WIDE_PRODUCER", False,
          "the producer a warpgroup of four warps sharing the split layout's 16-byte key copies (56 registers per "
          "producer thread, 224 per consumer thread)",
