@@ -82,30 +82,37 @@ def clear_stale_values(cfg, values, valid_keys, KEYS_ON_COLUMNS: gl.constexpr):
 
 
 @gluon.jit
-def scores_mma(cfg, q_smem, k_tile, s_layout: gl.constexpr):
+def scores_mma(cfg, q_smem, k_tile, s_layout: gl.constexpr, WAIT: gl.constexpr = True):
     """``S = Q K^T`` for one key tile (``k_tile``: ``[BLOCK_N, HEAD_SIZE]``) over the head's columns only: a padded
     head as two chained MMAs over its panels (``WIDE`` and ``NARROW`` columns), so that the zero columns past
-    it cost the tensor cores nothing."""
+    it cost the tensor cores nothing. Without ``WAIT`` the MMAs are left in flight (one group, two with panels)
+    for the caller's ``warpgroup_mma_wait``."""
     zeros = gl.zeros([cfg.ROWS, cfg.BLOCK_N], gl.float32, s_layout)
     if cfg.PANELS:
         scores = warpgroup_mma(q_smem.slice(0, cfg.WIDE, dim=1), k_tile.slice(0, cfg.WIDE, dim=1).permute((1, 0)),
                                zeros, use_acc=False, is_async=True)
         scores = warpgroup_mma(q_smem.slice(cfg.WIDE, cfg.NARROW, dim=1),
                                k_tile.slice(cfg.WIDE, cfg.NARROW, dim=1).permute((1, 0)), scores, is_async=True)
-        scores = warpgroup_mma_wait(0, deps=[scores])
-    else:
+        if WAIT:
+            scores = warpgroup_mma_wait(0, deps=[scores])
+    elif WAIT:
         scores = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zeros, use_acc=False)
+    else:
+        scores = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
     return scores
 
 
 @gluon.jit
-def values_mma_panels(cfg, p_wide, p_narrow, values, acc, acc_narrow):
+def values_mma_panels(cfg, p_wide, p_narrow, values, acc, acc_narrow, WAIT: gl.constexpr = True):
     """``O += P V`` for a padded head, one MMA per panel: ``values`` is the tile's ``[BLOCK_N, HEAD_SIZE]`` operand
     (V rows, or a V^T page permuted), ``acc`` and ``acc_narrow`` the accumulators of its ``WIDE`` and ``NARROW``
-    columns, ``p_wide`` and ``p_narrow`` P in each one's operand layout. Returns both accumulators."""
+    columns, ``p_wide`` and ``p_narrow`` P in each one's operand layout. Returns both accumulators (without
+    ``WAIT``, their two MMAs still in flight)."""
     acc = warpgroup_mma(p_wide, values.slice(0, cfg.WIDE, dim=1), acc, is_async=True)
     acc_narrow = warpgroup_mma(p_narrow, values.slice(cfg.WIDE, cfg.NARROW, dim=1), acc_narrow, is_async=True)
-    return warpgroup_mma_wait(0, deps=[acc, acc_narrow])
+    if WAIT:
+        acc, acc_narrow = warpgroup_mma_wait(0, deps=[acc, acc_narrow])
+    return acc, acc_narrow
 
 
 @gluon.jit
@@ -177,23 +184,14 @@ def softmax_under_values(cfg, q_smem, ring, walk, kv_len, accs, m_i, l_i, q_pos,
                                              window, softcap, qk_scale, p_layout, ring.v.dtype)
     for it in range(1, tiles):
         ring.wait_ready(it)
-        k_tile = ring.k.index(ring.stage(it))
-        zeros = gl.zeros([cfg.ROWS, cfg.BLOCK_N], gl.float32, s_layout)
-        if cfg.PANELS:
-            scores = warpgroup_mma(q_smem.slice(0, cfg.WIDE, dim=1), k_tile.slice(0, cfg.WIDE, dim=1).permute((1, 0)),
-                                   zeros, use_acc=False, is_async=True)
-            scores = warpgroup_mma(q_smem.slice(cfg.WIDE, cfg.NARROW, dim=1),
-                                   k_tile.slice(cfg.WIDE, cfg.NARROW, dim=1).permute((1, 0)), scores, is_async=True)
-        else:
-            scores = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
+        scores = scores_mma(cfg, q_smem, ring.k.index(ring.stage(it)), s_layout, WAIT=False)
         ring.wait_values(it - 1)
         clear_if_last_cached(cfg, ring, walk, kv_len, it - 1)
         values = ring.v.index(ring.stage(it - 1))
         # The scores' groups are the older ones: waited for with P V's still in flight.
         if cfg.PANELS:
-            acc = warpgroup_mma(p_op, values.slice(0, cfg.WIDE, dim=1), acc, is_async=True)
-            acc_narrow = warpgroup_mma(gl.convert_layout(p_op, pn_layout), values.slice(cfg.WIDE, cfg.NARROW, dim=1),
-                                       acc_narrow, is_async=True)
+            acc, acc_narrow = values_mma_panels(cfg, p_op, gl.convert_layout(p_op, pn_layout), values, acc,
+                                                acc_narrow, WAIT=False)
             scores = warpgroup_mma_wait(2, deps=[scores])
         else:
             acc = warpgroup_mma(p_op, values, acc, is_async=True)
