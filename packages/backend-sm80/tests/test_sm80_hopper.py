@@ -296,6 +296,7 @@ SCHEDULES = {
     "pingpong-key-loads-values-first": dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=True, VALUES_FIRST=True),
     "pingpong-key-loads-early-keys": dict(HEAVY_FIRST=True, PINGPONG=True, KEY_LOADS=True, VALUES_FIRST=True,
                                           EARLY_KEYS=True),
+    "pingpong-softmax-under-pv": dict(HEAVY_FIRST=True, PINGPONG=True, SOFTMAX_UNDER_PV=True),
 }
 
 
@@ -306,18 +307,27 @@ SCHEDULES = {
 #: values around the clearing, which runs on that one tile per walk: nothing in the per-tile path.
 SPLIT_COPIES_SPILLS = 20
 
+#: Bytes of spills the NHD features call (ALiBi beside a window, softcap and sinks) may have under
+#: ``SOFTMAX_UNDER_PV``, whose consumers hold the scores of one tile beside the P of the one before: the ALiBi
+#: slopes' offsets keep one register in local memory.
+ALIBI_UNDER_PV_SPILLS = 4
+
 
 def spill_allowance(name: str) -> int:
     """The spill bytes a compiled call ``name`` (``compiled/schedule``) may have: :data:`SPLIT_COPIES_SPILLS`
-    for the split layout's copies in ping-pong, none for any other."""
+    for the split layout's copies in ping-pong, :data:`ALIBI_UNDER_PV_SPILLS` for the NHD features call under
+    ``SOFTMAX_UNDER_PV``, none for any other."""
     compiled, _, schedule = name.partition("/")
-    return SPLIT_COPIES_SPILLS if compiled.startswith("split") and schedule == "pingpong" else 0
+    if compiled.startswith("split") and schedule in ("pingpong", "pingpong-softmax-under-pv"):
+        return SPLIT_COPIES_SPILLS  # the flag's rule does not take the split layout: the same code
+    return ALIBI_UNDER_PV_SPILLS if name == "features/pingpong-softmax-under-pv" else 0
 
 
-#: The flags the policy sets per route (:func:`pagedprefill_sm80.hopper.schedule.route_flags`), off unless a
-#: schedule of :data:`SCHEDULES` names them.
+#: The flags the policy sets per route (:func:`pagedprefill_sm80.hopper.schedule.route_flags`) and
+#: ``SOFTMAX_UNDER_PV``, off unless a schedule of :data:`SCHEDULES` names them, so that each schedule's label says
+#: all it runs.
 POLICY_FLAGS_OFF = dict(KEY_LOADS=False, VALUES_FIRST=False, WIDE_KEY_CHUNKS=False, EARLY_KEYS=False,
-                        FP8_BOXES=False, WIDEN_TO_V=False)
+                        FP8_BOXES=False, WIDEN_TO_V=False, SOFTMAX_UNDER_PV=False)
 
 
 def compile_summaries() -> dict:
@@ -402,6 +412,15 @@ def test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma():
             assert values_first["tma_copies"] > 0, call
         else:  # an FP8 cache's values are copies, not boxes; NHD has no key loads
             assert values_first == key_loads, call
+        under_pv = summaries[f"{call}/pingpong-softmax-under-pv"]
+        if COMPILED[call].get("head_size", 128) == 128 and under_pv["block_n"] == 128 \
+                and COMPILED[call].get("block_size", 16) >= 16 and not call.startswith("split") \
+                and "kv_cache_dtype" not in COMPILED[call]:
+            # Two tiles' MMAs in flight: the loop's body holds tile j's scores and tile j-1's P V, twice the MMAs
+            # of the loop that runs them one after the other.
+            assert under_pv["wgmma"] > pingpong["wgmma"], call
+        else:  # off where its rule does not hold (the split layout, an FP8 cache, other head sizes, pages of 8)
+            assert under_pv == pingpong, call
         if plain["tile_warps"] == 8:
             # Two consumer partitions of one warpgroup each, each with its own MMAs; the launch is the first's.
             assert pingpong["launch_warps"] == 4 and pingpong["wgmma"] == 2 * plain["wgmma"], call
@@ -1590,23 +1609,21 @@ def compile_wide_boxes() -> dict:
 
 
 def test_softmax_under_pv_keeps_p_v_in_flight_over_the_softmax_without_spills():
-    """``SOFTMAX_UNDER_PV`` (built, not yet timed on a GPU: off) applies to the NHD layout's 16-bit tiles of up to
-    128 keys (head size 96 with ``HEAD_PANELS``), and turns ``LAZY_RESCALE`` off there. Compiled for sm90 (the
-    engine's call at head size 128, and the classic one at head size 96: the new tokens' tiles and the panels)
-    each consumer waits for the scores with ``P V`` still in flight (``WARPGROUP.DEPBAR.LE gsb0, 0x1``, ``0x2``
-    with the panels' two MMAs), without spills or instructions on an in-flight MMA's registers."""
+    """``SOFTMAX_UNDER_PV`` (timed, not yet through the suites on a GPU: off) applies to the NHD layout's 16-bit
+    128-key tiles at head size 128 with pages of at least 16 tokens, and turns ``LAZY_RESCALE`` off there.
+    Compiled for sm90 (the engine's call, and the classic one with its new tokens' tiles) each consumer waits for
+    the scores with ``P V`` still in flight (``WARPGROUP.DEPBAR.LE gsb0, 0x1``), without spills or instructions
+    on an in-flight MMA's registers."""
     assert not DEFAULTS["SOFTMAX_UNDER_PV"]
     engine = problem_shape(make_problem(SPEC.replace(kv_in_cache=True)))
     flags = resolve(engine, hopper_config(engine), dict(SOFTMAX_UNDER_PV=True))
     assert flags["SOFTMAX_UNDER_PV"] and not flags["LAZY_RESCALE"]
     assert resolve(engine, hopper_config(engine))["LAZY_RESCALE"]
-    d96 = shape(head_size=96)
-    assert resolve(d96, hopper_config(d96), dict(SOFTMAX_UNDER_PV=True))["SOFTMAX_UNDER_PV"]
-    assert not resolve(d96, hopper_config(d96), dict(SOFTMAX_UNDER_PV=True, HEAD_PANELS=False))["SOFTMAX_UNDER_PV"]
-    for other in (shape(layout="split"), shape(kv_cache_dtype="fp8_e4m3")):
-        assert not resolve(other, hopper_config(other), dict(SOFTMAX_UNDER_PV=True))["SOFTMAX_UNDER_PV"], other
+    assert resolve(shape(), hopper_config(shape()), dict(SOFTMAX_UNDER_PV=True))["SOFTMAX_UNDER_PV"]
     d64 = dataclasses.replace(shape(head_size=64), num_tokens=4096, num_seqs=2, max_query_len=2048)  # 256 keys
-    assert not resolve(d64, hopper_config(d64), dict(SOFTMAX_UNDER_PV=True))["SOFTMAX_UNDER_PV"]
+    for other in (shape(layout="split"), shape(kv_cache_dtype="fp8_e4m3"), shape(head_size=96), shape(head_size=256),
+                  shape(block_size=8), d64):
+        assert not resolve(other, hopper_config(other), dict(SOFTMAX_UNDER_PV=True))["SOFTMAX_UNDER_PV"], other
     for name, summary in child_result("compile_softmax_under_pv").items():
         assert summary["spill_bytes"] in (0, None) and summary["wgmma_hazards"] in (0, None), (name, summary)
         if summary["waits_with_p_v_in_flight"] is not None:
@@ -1614,21 +1631,20 @@ def test_softmax_under_pv_keeps_p_v_in_flight_over_the_softmax_without_spills():
 
 
 def compile_softmax_under_pv() -> dict:
-    """Codegen summaries of the engine's call at head size 128 and the classic one at head size 96 under
-    ``SOFTMAX_UNDER_PV``, with the SASS's MMA waits that leave ``P V``'s groups in flight."""
+    """Codegen summaries of the engine's call and the classic one at head size 128 under ``SOFTMAX_UNDER_PV``,
+    with the SASS's MMA waits that leave ``P V``'s group in flight."""
     from pagedprefill.triton.codegen import compile_call, sass, summarize
     from pagedprefill_sm80.hopper.kernel import hopper_prefill_kernel
 
     out = {}
-    for name, spec, in_flight in (("engine-128", SPEC.replace(kv_in_cache=True), "0x1"),
-                                  ("classic-96", SPEC.replace(head_size=96), "0x2")):
+    for name, spec in (("engine", SPEC.replace(kv_in_cache=True)), ("classic", SPEC)):
         problem = make_problem(spec)
         s = problem_shape(problem)
         call = kernel_call(problem, hopper_config(s), s, dict(SOFTMAX_UNDER_PV=True))
         compiled = compile_call(hopper_prefill_kernel, call, 90)
         code = sass(compiled)
         out[name] = {**summarize(compiled, 90).to_dict(), "waits_with_p_v_in_flight":
-                     None if code is None else code.count(f"WARPGROUP.DEPBAR.LE gsb0, {in_flight}")}
+                     None if code is None else code.count("WARPGROUP.DEPBAR.LE gsb0, 0x1")}
     return out
 
 

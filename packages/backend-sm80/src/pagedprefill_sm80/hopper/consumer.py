@@ -103,16 +103,13 @@ def scores_mma(cfg, q_smem, k_tile, s_layout: gl.constexpr, WAIT: gl.constexpr =
 
 
 @gluon.jit
-def values_mma_panels(cfg, p_wide, p_narrow, values, acc, acc_narrow, WAIT: gl.constexpr = True):
+def values_mma_panels(cfg, p_wide, p_narrow, values, acc, acc_narrow):
     """``O += P V`` for a padded head, one MMA per panel: ``values`` is the tile's ``[BLOCK_N, HEAD_SIZE]`` operand
     (V rows, or a V^T page permuted), ``acc`` and ``acc_narrow`` the accumulators of its ``WIDE`` and ``NARROW``
-    columns, ``p_wide`` and ``p_narrow`` P in each one's operand layout. Returns both accumulators (without
-    ``WAIT``, their two MMAs still in flight)."""
+    columns, ``p_wide`` and ``p_narrow`` P in each one's operand layout. Returns both accumulators."""
     acc = warpgroup_mma(p_wide, values.slice(0, cfg.WIDE, dim=1), acc, is_async=True)
     acc_narrow = warpgroup_mma(p_narrow, values.slice(cfg.WIDE, cfg.NARROW, dim=1), acc_narrow, is_async=True)
-    if WAIT:
-        acc, acc_narrow = warpgroup_mma_wait(0, deps=[acc, acc_narrow])
-    return acc, acc_narrow
+    return warpgroup_mma_wait(0, deps=[acc, acc_narrow])
 
 
 @gluon.jit
@@ -161,18 +158,14 @@ def clear_if_last_cached(cfg, ring, walk, kv_len, it):
 
 
 @gluon.jit
-def softmax_under_values(cfg, q_smem, ring, walk, kv_len, accs, m_i, l_i, q_pos, alibi2, offs_n, rows, window,
+def softmax_under_values(cfg, q_smem, ring, walk, kv_len, acc, m_i, l_i, q_pos, alibi2, offs_n, rows, window,
                          softcap, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                         on_layout: gl.constexpr, p_layout: gl.constexpr, pn_layout: gl.constexpr):
-    """The key loop under ``SOFTMAX_UNDER_PV`` (the NHD layout's 16-bit tiles): for tile ``it``, ``Q K^T`` and the
-    previous tile's ``P V`` are issued together, the keys handed back once the scores are in, and tile ``it``'s
-    softmax runs while ``P V`` is in flight; the accumulators are rescaled when it lands and the previous tile's
-    values handed back. The first tile's scores come alone, the last tile's ``P V`` after the loop. ``accs``: the
-    accumulator, and beside it a padded head's narrow panel (``PANELS``). The accumulators are rescaled on every
-    tile (``LAZY_RESCALE`` does not apply). Returns ``(accs, m, l)``."""
-    acc = accs[0]
-    if cfg.PANELS:
-        acc_narrow = accs[1]
+                         p_layout: gl.constexpr):
+    """The key loop under ``SOFTMAX_UNDER_PV`` (the NHD layout's 16-bit tiles, a head that fills the tile): for
+    tile ``it``, ``Q K^T`` and the previous tile's ``P V`` are issued together, the keys handed back once the scores
+    are in, and tile ``it``'s softmax runs while ``P V`` is in flight; the accumulator is rescaled when it lands and
+    the previous tile's values handed back. The first tile's scores come alone, the last tile's ``P V`` after the
+    loop. The accumulator is rescaled on every tile (``LAZY_RESCALE`` does not apply). Returns ``(acc, m, l)``."""
     tiles = walk.cache_tiles + walk.new_tiles
     p_op = gl.zeros([cfg.ROWS, cfg.BLOCK_N], ring.v.dtype, p_layout)
     if tiles > 0:
@@ -187,45 +180,25 @@ def softmax_under_values(cfg, q_smem, ring, walk, kv_len, accs, m_i, l_i, q_pos,
         scores = scores_mma(cfg, q_smem, ring.k.index(ring.stage(it)), s_layout, WAIT=False)
         ring.wait_values(it - 1)
         clear_if_last_cached(cfg, ring, walk, kv_len, it - 1)
-        values = ring.v.index(ring.stage(it - 1))
-        # The scores' groups are the older ones: waited for with P V's still in flight.
-        if cfg.PANELS:
-            acc, acc_narrow = values_mma_panels(cfg, p_op, gl.convert_layout(p_op, pn_layout), values, acc,
-                                                acc_narrow, WAIT=False)
-            scores = warpgroup_mma_wait(2, deps=[scores])
-        else:
-            acc = warpgroup_mma(p_op, values, acc, is_async=True)
-            scores = warpgroup_mma_wait(1, deps=[scores])
+        acc = warpgroup_mma(p_op, ring.v.index(ring.stage(it - 1)), acc, is_async=True)
+        # The older group, the scores, is in; P V may still run.
+        scores = warpgroup_mma_wait(1, deps=[scores])
         gl.thread_barrier()
         ring.release(it)
         p_op, alpha, m_i, l_i = softmax_tile(cfg, scores, m_i, l_i, it, q_pos, alibi2, offs_n, rows, walk, kv_len,
                                              window, softcap, qk_scale, p_layout, ring.v.dtype)
-        if cfg.PANELS:
-            acc, acc_narrow = warpgroup_mma_wait(0, deps=[acc, acc_narrow])
-        else:
-            acc = warpgroup_mma_wait(0, deps=[acc])
+        acc = warpgroup_mma_wait(0, deps=[acc])
         gl.thread_barrier()
         ring.release_values(it - 1)
         acc = rescaled(acc, alpha, o_layout)
-        if cfg.PANELS:
-            acc_narrow = rescaled(acc_narrow, alpha, on_layout)
     if tiles > 0:
         last = tiles - 1
         ring.wait_values(last)
         clear_if_last_cached(cfg, ring, walk, kv_len, last)
-        values = ring.v.index(ring.stage(last))
-        if cfg.PANELS:
-            acc, acc_narrow = values_mma_panels(cfg, p_op, gl.convert_layout(p_op, pn_layout), values, acc,
-                                                acc_narrow)
-        else:
-            acc = warpgroup_mma(p_op, values, acc)
+        acc = warpgroup_mma(p_op, ring.v.index(ring.stage(last)), acc)
         gl.thread_barrier()
         ring.release_values(last)
-    if cfg.PANELS:
-        accs = (acc, acc_narrow)
-    else:
-        accs = (acc,)
-    return accs, m_i, l_i
+    return acc, m_i, l_i
 
 
 @gluon.jit
@@ -290,16 +263,9 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
         hand_back(cfg, ring, cache_tiles + walk.new_tiles)
     else:
         if cfg.SCHEDULE.SOFTMAX_UNDER_PV:
-            if cfg.PANELS:
-                accs = (acc, acc_narrow)
-            else:
-                accs = (acc,)
-            accs, m_i, l_i = softmax_under_values(cfg, q_smem, ring, walk, kv_len, accs, m_i, l_i, q_pos, alibi2,
-                                                  offs_n, rows, window, softcap, qk_scale, s_layout, o_layout,
-                                                  on_layout, p_layout, pn_layout)
-            acc = accs[0]
-            if cfg.PANELS:
-                acc_narrow = accs[1]
+            acc, m_i, l_i = softmax_under_values(cfg, q_smem, ring, walk, kv_len, acc, m_i, l_i, q_pos, alibi2,
+                                                 offs_n, rows, window, softcap, qk_scale, s_layout, o_layout,
+                                                 p_layout)
         else:
             for it in range(cache_tiles + walk.new_tiles):
                 s = ring.stage(it)

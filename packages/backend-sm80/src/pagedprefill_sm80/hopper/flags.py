@@ -46,6 +46,7 @@ class Where(NamedTuple):
     max_keys: Optional[int] = None  # keys per tile, at most
     max_key_chunks: Optional[int] = None  # the key loads' chunks per tile (key_chunk), at most
     heads_over: Optional[int] = None  # head sizes above it
+    min_block: Optional[int] = None  # cache pages of at least this many tokens
     full_head: bool = False  # a head size that fills its power-of-two tile (not head size 96)
     padded_head: bool = False  # a head size narrower than its power-of-two tile (96)
     padded_requires: tuple[str, ...] = ()  # at a padded head, flags that must have resolved on
@@ -66,6 +67,7 @@ class Where(NamedTuple):
                 and (self.max_keys is None or block_n <= self.max_keys)
                 and (self.max_key_chunks is None or block_n <= self.max_key_chunks * key_chunk(flags))
                 and (self.heads_over is None or shape.head_size > self.heads_over)
+                and (self.min_block is None or shape.block_size >= self.min_block)
                 and (not self.full_head or shape.head_size == shape.head_size_padded)
                 and (not self.padded_head or shape.head_size < shape.head_size_padded)
                 and (shape.head_size == shape.head_size_padded or all(flags[name] for name in self.padded_requires))
@@ -82,10 +84,12 @@ class Where(NamedTuple):
         parts = [layout[self.layout] if self.layout else "", cache[self.cache] if self.cache else "",
                  f"{str(self.dtype).split('.')[-1]} calls" if self.dtype else "",
                  f"tiles of {self.warps} warps" if self.warps else "",
-                 f"tiles of at least {self.min_keys} keys" if self.min_keys else "",
-                 f"tiles of at most {self.max_keys} keys" if self.max_keys else "",
+                 f"tiles of {self.min_keys} keys" if self.min_keys and self.min_keys == self.max_keys else "",
+                 f"tiles of at least {self.min_keys} keys" if self.min_keys and self.min_keys != self.max_keys else "",
+                 f"tiles of at most {self.max_keys} keys" if self.max_keys and self.min_keys != self.max_keys else "",
                  f"tiles of at most {self.max_key_chunks} chunks of key loads" if self.max_key_chunks else "",
                  f"head sizes above {self.heads_over}" if self.heads_over else "",
+                 f"pages of at least {self.min_block} tokens" if self.min_block else "",
                  "head sizes that fill the tile" if self.full_head else "",
                  "head sizes narrower than the tile" if self.padded_head else "",
                  *(f"at a padded head with `{name}`" for name in self.padded_requires),
@@ -162,13 +166,19 @@ FLAGS: tuple[Flag, ...] = (
          "is in flight, rescaling the accumulator once it lands; the ring's K and V buffers have barriers of their "
          "own, so that a tile's keys are handed back when its scores are in and its values when its `P V` is "
          "done, and the producer refills each as soon as it is free",
-         "nowhere until it is timed and checked on a GPU (`UNVERIFIED_FLAGS`): the consumers wait for their own "
-         "MMAs a third of their time and the tensor pipe is busy 60% against FA4's 69-78%. It rescales "
-         "on every tile: `LAZY_RESCALE`'s vote beside the scores and P of two tiles spilled 4 bytes; on 256-key "
-         "tiles (head size 64's long calls) the scores of two tiles spill 624 bytes",
-         "not measured yet",
-         Where(layout=NHD, cache="16-bit", max_keys=128, padded_requires=("HEAD_PANELS",),
-               requires=("PINGPONG",))),
+         "nowhere until it passes the suites on a GPU (`UNVERIFIED_FLAGS`), then where it measured faster: the "
+         "NHD layout's 16-bit cache at head size 128, where the consumers waited for their own MMAs a third "
+         "of their time. Not at head size 96, where its form over the panels (two `P V`s in flight) measured "
+         "0.93 x on Phi-3-mini's prefix-cached row and 0.91 x chunked, nor at 64 (level: 0.99-1.00 x); at head "
+         "size 256 (64-key tiles) it measured 1.04 x but the scores of two tiles spill 40 bytes, and on 256-key "
+         "tiles 624, and with pages of 8 tokens 76. It rescales on every tile: `LAZY_RESCALE`'s vote beside the "
+         "scores and P of two tiles spilled 4 bytes",
+         "H100, 2026-12-07, against the flag off in alternating rounds of one process (engine / classic NHD "
+         "call): prefix-cached 1.08 / 1.04 x (566.8 vs 524.2 TFLOP/s), pages of 128 1.11 / 1.06 x, chunked 1.05 "
+         "/ 1.10 x, many short 1.05 / 1.03 x, the mixed step 1.06 / 1.06 x, long prefill 1.05 / 0.97 x, decode "
+         "level",
+         Where(layout=NHD, cache="16-bit", min_keys=128, max_keys=128, heads_over=96, full_head=True,
+               min_block=16, requires=("PINGPONG",))),
     Flag("WIDE_PRODUCER", False,
          "the producer a warpgroup of four warps sharing the split layout's 16-byte key copies (56 registers per "
          "producer thread, 224 per consumer thread)",

@@ -114,7 +114,8 @@ def allocate_ring(cfg, v_cache_t, k_cache, dtype: gl.constexpr):
     ready_v = ready  # the values' own barriers under SOFTMAX_UNDER_PV
     empty_v = empty
     if cfg.SCHEDULE.SOFTMAX_UNDER_PV:
-        gl.static_assert(not TWO_ARRIVALS and not cfg.WRITTEN, "SOFTMAX_UNDER_PV: the NHD layout's 16-bit boxes")
+        gl.static_assert(not TWO_ARRIVALS and not cfg.WRITTEN and not cfg.PANELS,
+                         "SOFTMAX_UNDER_PV: the NHD layout's 16-bit boxes at a head size that fills the tile")
         ready_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
