@@ -308,8 +308,8 @@ SCHEDULES = {
 SPLIT_COPIES_SPILLS = 20
 
 #: Bytes of spills the NHD features call (ALiBi beside a window, softcap and sinks) may have under
-#: ``SOFTMAX_UNDER_PV``, whose consumers hold the scores of one tile beside the P of the one before: the ALiBi
-#: slopes' offsets keep one register in local memory.
+#: ``SOFTMAX_UNDER_PV``, whose consumers hold the scores of one tile beside the P of the one before: ALiBi's
+#: positions take one register more than they have (a call with ALiBi alone spills the same 4 bytes).
 ALIBI_UNDER_PV_SPILLS = 4
 
 
