@@ -307,20 +307,21 @@ SCHEDULES = {
 #: values around the clearing, which runs on that one tile per walk: nothing in the per-tile path.
 SPLIT_COPIES_SPILLS = 20
 
-#: Bytes of spills the NHD features call (ALiBi beside a window, softcap and sinks) may have under
-#: ``SOFTMAX_UNDER_PV``, whose consumers hold the scores of one tile beside the P of the one before: ALiBi's
-#: positions take one register more than they have (a call with ALiBi alone spills the same 4 bytes).
-ALIBI_UNDER_PV_SPILLS = 4
+#: Bytes of local memory calls may use under ``SOFTMAX_UNDER_PV``, and why (read in the SASS): at head size 256
+#: ``ptxas`` keeps the shared memory's base address there (stored once, read at each partition's start and in
+#: the barrier waits' retry paths); with ALiBi the producer warp (24 registers) keeps one value there across a
+#: tile's boxes (a call with ALiBi alone does the same).
+UNDER_PV_SPILLS = {"d256": 40, "features": 4}
 
 
 def spill_allowance(name: str) -> int:
     """The spill bytes a compiled call ``name`` (``compiled/schedule``) may have: :data:`SPLIT_COPIES_SPILLS`
-    for the split layout's copies in ping-pong, :data:`ALIBI_UNDER_PV_SPILLS` for the NHD features call under
-    ``SOFTMAX_UNDER_PV``, none for any other."""
+    for the split layout's copies in ping-pong, :data:`UNDER_PV_SPILLS` under ``SOFTMAX_UNDER_PV``, none for any
+    other."""
     compiled, _, schedule = name.partition("/")
     if compiled.startswith("split") and schedule in ("pingpong", "pingpong-softmax-under-pv"):
         return SPLIT_COPIES_SPILLS  # the flag's rule does not take the split layout: the same code
-    return ALIBI_UNDER_PV_SPILLS if name == "features/pingpong-softmax-under-pv" else 0
+    return UNDER_PV_SPILLS.get(compiled, 0) if schedule == "pingpong-softmax-under-pv" else 0
 
 
 #: The flags the policy sets per route (:func:`pagedprefill_sm80.hopper.schedule.route_flags`) and
@@ -413,9 +414,8 @@ def test_compiles_for_sm90_warp_specialised_with_tma_and_wgmma():
         else:  # an FP8 cache's values are copies, not boxes; NHD has no key loads
             assert values_first == key_loads, call
         under_pv = summaries[f"{call}/pingpong-softmax-under-pv"]
-        if COMPILED[call].get("head_size", 128) == 128 and under_pv["block_n"] == 128 \
-                and COMPILED[call].get("block_size", 16) >= 16 and not call.startswith("split") \
-                and "kv_cache_dtype" not in COMPILED[call]:
+        if COMPILED[call].get("head_size", 128) in (128, 256) and COMPILED[call].get("block_size", 16) >= 16 \
+                and not call.startswith("split") and "kv_cache_dtype" not in COMPILED[call]:
             # Two tiles' MMAs in flight: the loop's body holds tile j's scores and tile j-1's P V, twice the MMAs
             # of the loop that runs them one after the other.
             assert under_pv["wgmma"] > pingpong["wgmma"], call
@@ -1610,7 +1610,8 @@ def compile_wide_boxes() -> dict:
 
 def test_softmax_under_pv_keeps_p_v_in_flight_over_the_softmax_without_spills():
     """``SOFTMAX_UNDER_PV`` (timed, not yet through the suites on a GPU: off) applies to the NHD layout's 16-bit
-    128-key tiles at head size 128 with pages of at least 16 tokens, and turns ``LAZY_RESCALE`` off there.
+    tiles of up to 128 keys at head sizes 128 and 256 with pages of at least 16 tokens, and turns
+    ``LAZY_RESCALE`` off there.
     Compiled for sm90 (the engine's call, and the classic one with its new tokens' tiles) each consumer waits for
     the scores with ``P V`` still in flight (``WARPGROUP.DEPBAR.LE gsb0, 0x1``), without spills or instructions
     on an in-flight MMA's registers."""
@@ -1619,10 +1620,11 @@ def test_softmax_under_pv_keeps_p_v_in_flight_over_the_softmax_without_spills():
     flags = resolve(engine, hopper_config(engine), dict(SOFTMAX_UNDER_PV=True))
     assert flags["SOFTMAX_UNDER_PV"] and not flags["LAZY_RESCALE"]
     assert resolve(engine, hopper_config(engine))["LAZY_RESCALE"]
-    assert resolve(shape(), hopper_config(shape()), dict(SOFTMAX_UNDER_PV=True))["SOFTMAX_UNDER_PV"]
+    for on in (shape(), shape(head_size=256)):
+        assert resolve(on, hopper_config(on), dict(SOFTMAX_UNDER_PV=True))["SOFTMAX_UNDER_PV"], on
     d64 = dataclasses.replace(shape(head_size=64), num_tokens=4096, num_seqs=2, max_query_len=2048)  # 256 keys
-    for other in (shape(layout="split"), shape(kv_cache_dtype="fp8_e4m3"), shape(head_size=96), shape(head_size=256),
-                  shape(block_size=8), d64):
+    for other in (shape(layout="split"), shape(kv_cache_dtype="fp8_e4m3"), shape(head_size=96), shape(block_size=8),
+                  shape(head_size=64), d64):
         assert not resolve(other, hopper_config(other), dict(SOFTMAX_UNDER_PV=True))["SOFTMAX_UNDER_PV"], other
     for name, summary in child_result("compile_softmax_under_pv").items():
         assert summary["spill_bytes"] in (0, None) and summary["wgmma_hazards"] in (0, None), (name, summary)

@@ -167,18 +167,20 @@ FLAGS: tuple[Flag, ...] = (
          "own, so that a tile's keys are handed back when its scores are in and its values when its `P V` is "
          "done, and the producer refills each as soon as it is free",
          "nowhere until it passes the suites on a GPU (`UNVERIFIED_FLAGS`), then where it measured faster: the "
-         "NHD layout's 16-bit cache at head size 128, where the consumers waited for their own MMAs a third "
-         "of their time. Not at head size 96, where its form over the panels (two `P V`s in flight) measured "
-         "0.93 x on Phi-3-mini's prefix-cached row and 0.91 x chunked, nor at 64 (level: 0.99-1.00 x); at head "
-         "size 256 (64-key tiles) it measured 1.04 x but the scores of two tiles spill 40 bytes, and on 256-key "
-         "tiles 624, and with pages of 8 tokens 76. It rescales on every tile: `LAZY_RESCALE`'s vote beside the "
-         "scores and P of two tiles spilled 4 bytes",
+         "NHD layout's 16-bit cache at head sizes 128 and 256, where the consumers waited for their own MMAs a "
+         "third of their time (at 256 `ptxas` keeps the shared memory's base address in 40 bytes of local "
+         "memory, read at each partition's start and in the barrier waits' retry paths). Not at head size 96, "
+         "where its form over the panels (two `P V`s in flight) measured 0.93 x on Phi-3-mini's prefix-cached "
+         "row and 0.91 x chunked, nor at 64 (level: 0.99-1.00 x; its 256-key tiles' two score tiles spill 624 "
+         "bytes), nor with pages of 8 tokens, whose producer spills 76 bytes issuing a tile's boxes twice (keys, "
+         "then values). It rescales on every tile: `LAZY_RESCALE`'s vote beside the scores and P of two tiles "
+         "spilled 4 bytes",
          "H100, 2026-12-07, against the flag off in alternating rounds of one process (engine / classic NHD "
          "call): prefix-cached 1.08 / 1.04 x (566.8 vs 524.2 TFLOP/s), pages of 128 1.11 / 1.06 x, chunked 1.05 "
-         "/ 1.10 x, many short 1.05 / 1.03 x, the mixed step 1.06 / 1.06 x, long prefill 1.05 / 0.97 x, decode "
-         "level",
-         Where(layout=NHD, cache="16-bit", min_keys=128, max_keys=128, heads_over=96, full_head=True,
-               min_block=16, requires=("PINGPONG",))),
+         "/ 1.10 x, many short 1.05 / 1.03 x, the mixed step 1.06 / 1.06 x, long prefill 1.05 / 0.97 x, head size "
+         "256 1.04 / 1.04 x, decode level",
+         Where(layout=NHD, cache="16-bit", max_keys=128, heads_over=96, full_head=True, min_block=16,
+               requires=("PINGPONG",))),
     Flag("WIDE_PRODUCER", False,
          "the producer a warpgroup of four warps sharing the split layout's 16-byte key copies (56 registers per "
          "producer thread, 224 per consumer thread)",
