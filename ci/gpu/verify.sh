@@ -4,7 +4,8 @@
 # prints `pagedprefill info`, then runs the named steps in order. Each step is bounded by `timeout` and logs
 # to OUTDIR/<step>.log (a step's "=" and "," become "-": fuzz=5000 logs to fuzz-5000.log). A progress line
 # comes every PROGRESS_EVERY seconds while a step runs, and one summary table at the end: step, status,
-# seconds, the pytest summary line (or the step's own last word).
+# seconds, the pytest summary line (or the step's own last word). A suite its limit cuts lists the tests it did
+# not finish in OUTDIR/<step>-unfinished.txt (ci/gpu/unfinished_tests.py), node ids for a later run to take.
 #
 # Usage:
 #   ci/gpu/verify.sh OUTDIR [OPTION ...] [STEP ...]        (default: core-gpu conformance fuzz=2000 bench)
@@ -164,6 +165,16 @@ results() {
 }
 finished() { grep -cE ' (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)( |$)' "$1"; }
 
+# unfinished LOG PYTEST_ARGS...: after a suite its limit cut, the node ids it did not finish into LOG's
+# -unfinished.txt (the collection takes seconds of its own, past the step's limit).
+unfinished() {
+  [ "$dry" = 1 ] && return 0
+  case $step_rc in 124|137) ;; *) return 0 ;; esac
+  echo >>"$1"  # the cut run's last line may have no end
+  timeout 90 "$PYTHON" ci/gpu/unfinished_tests.py "$1" --out "${1%.log}-unfinished.txt" -- "${@:2}" >>"$1" 2>&1 \
+    || echo "(the unfinished tests could not be listed)" >>"$1"
+}
+
 conformance_suites() {  # BACKEND,... -> their test folders
   local n; for n in ${1//,/ }; do printf 'packages/backend-%s/tests ' "$n"; done
 }
@@ -173,6 +184,8 @@ step_conformance() {  # BACKEND,...
   # shellcheck disable=SC2046  # the suites are a word list
   run "$PYTHON" -m pytest -v -rfEs --durations=15 -p no:cacheprovider -n "$(workers)" --dist worksteal \
     $(conformance_suites "$1") --pagedprefill-device=cuda
+  # shellcheck disable=SC2046
+  unfinished "$log" $(conformance_suites "$1") --pagedprefill-device=cuda
   report results "$log"
 }
 
@@ -216,6 +229,8 @@ run_step() {  # STEP: its commands, with `log`, `step_end` and `step_rc` set by 
     hopper-conformance)
       run "$PYTHON" -m pytest -v -rfEs -p no:cacheprovider -p no:benchmark -n "$(workers)" --dist worksteal \
         packages/backend-sm80/tests/test_sm80_hopper_conformance.py --pagedprefill-device=cuda \
+        --pagedprefill-sweep="${SWEEP:-16}"
+      unfinished "$log" packages/backend-sm80/tests/test_sm80_hopper_conformance.py --pagedprefill-device=cuda \
         --pagedprefill-sweep="${SWEEP:-16}"
       report results "$log" ;;
     fuzz|fuzz=*)
