@@ -9,7 +9,8 @@ alternating rounds.
 
 Usage: python ci/gpu/schedule_ab.py --flags IDLE_HALF=0 [--only mixed --only decode ...] [--forms engine,split]
        [--rounds 5] [--reps 100] [--json PATH]
-One line per row and form: TFLOP/s (GB/s too for memory-bound rows) of each plan and their ratio. Exit status 1
+One line per row and form: TFLOP/s (GB/s too for memory-bound rows) of each plan and their ratio; `--json`
+is written after every row, so that a run cut short keeps what it timed. Exit status 1
 when a plan misses the conformance tolerance.
 """
 
@@ -105,12 +106,12 @@ def main(argv=None) -> int:
             print(f"{text} | policy / variant {ms[1] / ms[0]:.3f} x | err {errors[0]:.1e} {errors[1]:.1e}",
                   flush=True)
             results.append(row)
+            if args.json:  # after every row: a run cut short keeps what it timed
+                with open(args.json, "w") as fh:
+                    json.dump(dict(flags=args.flags, rows=results), fh, indent=1)
             del plans
         del engine, expect
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(dict(flags=args.flags, rows=results), fh, indent=1)
     return 0 if ok else 1
 
 
