@@ -85,16 +85,17 @@ def clear_stale_values(cfg, values, valid_keys, KEYS_ON_COLUMNS: gl.constexpr):
 def scores_mma(cfg, q_smem, k_tile, s_layout: gl.constexpr, WAIT: gl.constexpr = True):
     """``S = Q K^T`` for one key tile (``k_tile``: ``[BLOCK_N, HEAD_SIZE]``) over the head's columns only: a padded
     head as two chained MMAs over its panels (``WIDE`` and ``NARROW`` columns), so that the zero columns past
-    it cost the tensor cores nothing. Without ``WAIT`` the MMAs are left in flight (one group, two with panels)
-    for the caller's ``warpgroup_mma_wait``."""
+    it cost the tensor cores nothing. Without ``WAIT`` the MMA is left in flight for the caller's
+    ``warpgroup_mma_wait``; the panels always wait (the one caller that overlaps, ``SOFTMAX_UNDER_PV``, runs on
+    heads that fill the tile)."""
     zeros = gl.zeros([cfg.ROWS, cfg.BLOCK_N], gl.float32, s_layout)
     if cfg.PANELS:
+        gl.static_assert(WAIT, "scores over panels are waited for: no caller keeps them in flight")
         scores = warpgroup_mma(q_smem.slice(0, cfg.WIDE, dim=1), k_tile.slice(0, cfg.WIDE, dim=1).permute((1, 0)),
                                zeros, use_acc=False, is_async=True)
         scores = warpgroup_mma(q_smem.slice(cfg.WIDE, cfg.NARROW, dim=1),
                                k_tile.slice(cfg.WIDE, cfg.NARROW, dim=1).permute((1, 0)), scores, is_async=True)
-        if WAIT:
-            scores = warpgroup_mma_wait(0, deps=[scores])
+        scores = warpgroup_mma_wait(0, deps=[scores])
     elif WAIT:
         scores = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zeros, use_acc=False)
     else:
