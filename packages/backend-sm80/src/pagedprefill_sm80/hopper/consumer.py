@@ -26,7 +26,7 @@ RESCALE_GROWTH = gl.constexpr(8.0)
 def wait_tile(cfg, ring, it, from_cache):
     """Wait until key tile ``it`` has landed in its buffer. Cached tiles the producer wrote with its own
     instructions (``WRITTEN``) are ordinary shared-memory writes: fenced before the MMA's reads."""
-    ring.wait_ready(it)
+    ring.keys.wait_ready(it)
     if cfg.WRITTEN:
         if from_cache:
             fence_async_shared()
@@ -39,11 +39,11 @@ def hand_back(cfg, ring, tiles):
     arrives) because the ring's release counts arrivals: an arrival ahead of the other consumer's would free a
     buffer it still reads."""
     for it in range(tiles):
-        ring.wait_ready(it)
-        ring.release(it)
+        ring.keys.wait_ready(it)
+        ring.keys.release(it)
         if cfg.SCHEDULE.SOFTMAX_UNDER_PV:  # the values' buffers have barriers of their own
-            ring.wait_values(it)
-            ring.release_values(it)
+            ring.values.wait_ready(it)
+            ring.values.release(it)
 
 
 #: Rows of a V tile (keys) or of a V^T page (head columns, every key of the page) cleared per step by
@@ -170,35 +170,35 @@ def softmax_under_values(cfg, q_smem, ring, walk, kv_len, acc, m_i, l_i, q_pos, 
     tiles = walk.cache_tiles + walk.new_tiles
     p_op = gl.zeros([cfg.ROWS, cfg.BLOCK_N], ring.v.dtype, p_layout)
     if tiles > 0:
-        ring.wait_ready(0)
+        ring.keys.wait_ready(0)
         scores = scores_mma(cfg, q_smem, ring.k.index(0), s_layout)
         gl.thread_barrier()  # every warp's scores are in: one arrival hands the keys back
-        ring.release(0)
+        ring.keys.release(0)
         p_op, alpha, m_i, l_i = softmax_tile(cfg, scores, m_i, l_i, 0, q_pos, alibi2, offs_n, rows, walk, kv_len,
                                              window, softcap, qk_scale, p_layout, ring.v.dtype)
     for it in range(1, tiles):
-        ring.wait_ready(it)
+        ring.keys.wait_ready(it)
         scores = scores_mma(cfg, q_smem, ring.k.index(ring.stage(it)), s_layout, WAIT=False)
-        ring.wait_values(it - 1)
+        ring.values.wait_ready(it - 1)
         clear_if_last_cached(cfg, ring, walk, kv_len, it - 1)
         acc = warpgroup_mma(p_op, ring.v.index(ring.stage(it - 1)), acc, is_async=True)
         # The older group, the scores, is in; P V may still run.
         scores = warpgroup_mma_wait(1, deps=[scores])
         gl.thread_barrier()
-        ring.release(it)
+        ring.keys.release(it)
         p_op, alpha, m_i, l_i = softmax_tile(cfg, scores, m_i, l_i, it, q_pos, alibi2, offs_n, rows, walk, kv_len,
                                              window, softcap, qk_scale, p_layout, ring.v.dtype)
         acc = warpgroup_mma_wait(0, deps=[acc])
         gl.thread_barrier()
-        ring.release_values(it - 1)
+        ring.values.release(it - 1)
         acc = rescaled(acc, alpha, o_layout)
     if tiles > 0:
         last = tiles - 1
-        ring.wait_values(last)
+        ring.values.wait_ready(last)
         clear_if_last_cached(cfg, ring, walk, kv_len, last)
         acc = warpgroup_mma(p_op, ring.v.index(ring.stage(last)), acc)
         gl.thread_barrier()
-        ring.release_values(last)
+        ring.values.release(last)
     return acc, m_i, l_i
 
 
@@ -315,7 +315,7 @@ def consumer(cfg, consumed, q_smem, ROW0: gl.constexpr):
                     acc = warpgroup_mma(p_op, ring.v.index(s), acc)
                 # Every warp of this consumer is done with the buffer (its MMAs are synchronous): one arrival for all.
                 gl.thread_barrier()
-                ring.release(it)
+                ring.keys.release(it)
         if cfg.LAYOUT.FP8_CACHE:
             if walk.new_tiles == 0:  # no new tile followed the cached ones
                 acc = acc * v_scale

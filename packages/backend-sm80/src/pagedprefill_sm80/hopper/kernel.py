@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from .consumer import consumer
 from .producer import producer
-from .state import KernelConfig, KeyWalk, Ring, Sources, TileRows
+from .state import KernelConfig, KeyWalk, Ring, Sources, TileRows, allocate_channel
 
 
 @gluon.constexpr_function
@@ -97,32 +97,23 @@ def allocate_ring(cfg, v_cache_t, k_cache, dtype: gl.constexpr):
     else:
         k8_smem = k_smem
         v8_smem = v_smem
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     # Value boxes issued before the keys' loads: a cached tile's barrier then waits for the boxes' expect and for
     # an arrival after the keys' stores (a new-token tile's arrives twice at once). FP8_SCORES (NHD): for the keys'
     # boxes' expect and an arrival after the values are widened.
     TWO_ARRIVALS: gl.constexpr = cfg.SCHEDULE.VALUES_FIRST or (cfg.SCHEDULE.FP8_SCORES and not cfg.LAYOUT.SPLIT)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=2 if TWO_ARRIVALS else 1)
-        mbarrier.init(empty.index(i), count=cfg.CONSUMERS)  # every consumer hands the buffer back
-    ready8 = ready  # an FP8 cache: the FP8 ring's own barriers (its bytes landed), seen by the producer only
+    keys = allocate_channel(STAGES, 2 if TWO_ARRIVALS else 1, cfg.CONSUMERS)
+    ready8 = keys.ready  # an FP8 cache: the FP8 ring's own barriers (its bytes landed), seen by the producer only
     if cfg.LAYOUT.FP8_CACHE:
         ready8 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready8.index(i), count=1)
-    ready_v = ready  # the values' own barriers under SOFTMAX_UNDER_PV
-    empty_v = empty
+    values = keys
     if cfg.SCHEDULE.SOFTMAX_UNDER_PV:
         gl.static_assert(not TWO_ARRIVALS and not cfg.WRITTEN and not cfg.PANELS,
                          "SOFTMAX_UNDER_PV: the NHD layout's 16-bit boxes at a head size that fills the tile")
-        ready_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready_v.index(i), count=1)
-            mbarrier.init(empty_v.index(i), count=cfg.CONSUMERS)
+        values = allocate_channel(STAGES, 1, cfg.CONSUMERS)
     fence_async_shared()
-    return Ring(k_smem, v_smem, vt_smem, k8_smem, v8_smem, ready, empty, ready8, ready_v, empty_v, STAGES)
+    return Ring(k_smem, v_smem, vt_smem, k8_smem, v8_smem, keys, values, ready8, STAGES)
 
 
 @gluon.jit

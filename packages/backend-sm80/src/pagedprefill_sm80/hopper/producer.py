@@ -114,7 +114,8 @@ def widen_tile(cfg, ring, s):
 @gluon.jit
 def keys_then_values(cfg, sources, ring, table, rows, walk, col, it):
     """Under ``SOFTMAX_UNDER_PV``: key tile ``it``'s keys into its K buffer (free: the caller waited), counted by
-    ``ready``, then its values once the consumers have handed that V buffer back, counted by ``ready_v``. The
+    the ring's ``keys`` channel, then its values once the consumers have handed that V buffer back, counted by its
+    ``values`` channel. The
     consumers hand a tile's keys back when its scores are in, and its values a tile later, when its ``P V`` is
     done: each buffer is refilled as soon as it is free."""
     s = ring.stage(it)
@@ -122,18 +123,18 @@ def keys_then_values(cfg, sources, ring, table, rows, walk, col, it):
     v_dst = ring.v.index(s)
     if it < walk.cache_tiles:
         n0 = walk.cache_start + it * cfg.BLOCK_N
-        cached_boxes(cfg, sources.k_cache, sources.v_cache, table, rows.kv_head, col, n0, ring.ready.index(s),
+        cached_boxes(cfg, sources.k_cache, sources.v_cache, table, rows.kv_head, col, n0, ring.keys.ready.index(s),
                      k_dst, k_dst, VALUES=False)
-        ring.wait_values_empty(it)
-        cached_boxes(cfg, sources.k_cache, sources.v_cache, table, rows.kv_head, col, n0, ring.ready_v.index(s),
+        ring.values.wait_empty(it)
+        cached_boxes(cfg, sources.k_cache, sources.v_cache, table, rows.kv_head, col, n0, ring.values.ready.index(s),
                      v_dst, v_dst, KEYS=False)
     else:
         row = rows.seq_row0 + walk.new_start + (it - walk.cache_tiles) * cfg.BLOCK_N
-        mbarrier.expect(ring.ready.index(s), cfg.tile_bytes(sources.k_new.dtype))
-        copy_rows(cfg, sources.k_new, row, rows.kv_head, col, ring.ready.index(s), k_dst, 0, cfg.BLOCK_N)
-        ring.wait_values_empty(it)
-        mbarrier.expect(ring.ready_v.index(s), cfg.tile_bytes(sources.v_new.dtype))
-        copy_rows(cfg, sources.v_new, row, rows.kv_head, col, ring.ready_v.index(s), v_dst, 0, cfg.BLOCK_N)
+        mbarrier.expect(ring.keys.ready.index(s), cfg.tile_bytes(sources.k_new.dtype))
+        copy_rows(cfg, sources.k_new, row, rows.kv_head, col, ring.keys.ready.index(s), k_dst, 0, cfg.BLOCK_N)
+        ring.values.wait_empty(it)
+        mbarrier.expect(ring.values.ready.index(s), cfg.tile_bytes(sources.v_new.dtype))
+        copy_rows(cfg, sources.v_new, row, rows.kv_head, col, ring.values.ready.index(s), v_dst, 0, cfg.BLOCK_N)
 
 
 @gluon.jit
@@ -169,13 +170,13 @@ def producer(cfg, sources, ring, table, rows, walk):
             s = ring.stage(it)
             n0 = cache_start + it * cfg.BLOCK_N
             loaded = split_tile_keys(cfg, sources.split_keys, table, kv_head, n0)
-            ring.wait_empty(it)
-            split_cached_tile(cfg, sources, table, kv_head, col, n0, ring.ready.index(s), ring.k.index(s),
+            ring.keys.wait_empty(it)
+            split_cached_tile(cfg, sources, table, kv_head, col, n0, ring.keys.ready.index(s), ring.k.index(s),
                               ring.vt.index(s), False, True, loaded)
         first_new = cache_tiles
     for it in range(first_new, cache_tiles + walk.new_tiles):
         s = ring.stage(it)
-        ring.wait_empty(it)
+        ring.keys.wait_empty(it)
         k_dst = ring.k.index(s)
         if cfg.SCHEDULE.SOFTMAX_UNDER_PV:
             keys_then_values(cfg, sources, ring, table, rows, walk, col, it)
@@ -183,7 +184,7 @@ def producer(cfg, sources, ring, table, rows, walk):
             if cfg.LAYOUT.FP8_CACHE:
                 if cfg.SCHEDULE.FP8_SCORES and not cfg.LAYOUT.SPLIT:
                     keys_to_ring(cfg, sources, table, kv_head, col, cache_start + it * cfg.BLOCK_N,
-                                 ring.ready.index(s), k_dst)
+                                 ring.keys.ready.index(s), k_dst)
                 ring.wait_landed(it)
                 widen_tile(cfg, ring, s)
                 # The stores are ordered before the consumers' MMA reads, and every warp is done with the FP8
@@ -194,18 +195,18 @@ def producer(cfg, sources, ring, table, rows, walk):
                     fp8_cached_tile(cfg, sources, table, kv_head, col,
                                     cache_start + (it + cfg.TILE.STAGES) * cfg.BLOCK_N, ring.ready8.index(s),
                                     ring.k8.index(s), ring.v8.index(s))
-                mbarrier.arrive(ring.ready.index(s), count=1)
+                mbarrier.arrive(ring.keys.ready.index(s), count=1)
             elif cfg.LAYOUT.SPLIT:
                 split_cached_tile(cfg, sources, table, kv_head, col, cache_start + it * cfg.BLOCK_N,
-                                  ring.ready.index(s), k_dst, ring.vt.index(s), False, False, k_dst)
+                                  ring.keys.ready.index(s), k_dst, ring.vt.index(s), False, False, k_dst)
             else:
                 cached_boxes(cfg, sources.k_cache, sources.v_cache, table, kv_head, col,
-                             cache_start + it * cfg.BLOCK_N, ring.ready.index(s), ring.k8.index(s),
+                             cache_start + it * cfg.BLOCK_N, ring.keys.ready.index(s), ring.k8.index(s),
                              ring.v8.index(s))
         else:
             row = rows.seq_row0 + walk.new_start + (it - cache_tiles) * cfg.BLOCK_N
-            mbarrier.expect(ring.ready.index(s), 2 * cfg.tile_bytes(k_new.dtype))
+            mbarrier.expect(ring.keys.ready.index(s), 2 * cfg.tile_bytes(k_new.dtype))
             if cfg.SCHEDULE.VALUES_FIRST:  # the second of the two arrivals the ring's barriers take then
-                mbarrier.arrive(ring.ready.index(s), count=1)
-            copy_rows(cfg, k_new, row, kv_head, col, ring.ready.index(s), k_dst, 0, cfg.BLOCK_N)
-            copy_rows(cfg, v_new, row, kv_head, col, ring.ready.index(s), ring.v.index(s), 0, cfg.BLOCK_N)
+                mbarrier.arrive(ring.keys.ready.index(s), count=1)
+            copy_rows(cfg, k_new, row, kv_head, col, ring.keys.ready.index(s), k_dst, 0, cfg.BLOCK_N)
+            copy_rows(cfg, v_new, row, kv_head, col, ring.keys.ready.index(s), ring.v.index(s), 0, cfg.BLOCK_N)

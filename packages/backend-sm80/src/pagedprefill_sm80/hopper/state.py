@@ -170,43 +170,23 @@ class KeyWalk:
 
 
 @aggregate
-class Ring:
-    """The K/V buffers of ``STAGES`` key tiles and their barriers: ``k`` and ``v`` in the 16-bit type the MMAs
-    read, ``vt`` the split layout's cached values as V^T pages (``v`` itself in NHD), ``k8``/``v8`` an FP8 cache's
-    tiles as they land (``k``/``v`` themselves for a 16-bit cache). ``ready`` completes when a buffer's tile is
-    there, ``empty`` when every consumer is done with it; ``ready8`` (FP8 caches, seen by the producer only) when
-    its FP8 bytes have landed. Under ``SOFTMAX_UNDER_PV`` the values have barriers of their own, ``ready_v`` and
-    ``empty_v`` (``ready`` and ``empty`` then count the keys alone); otherwise they are ``ready`` and ``empty``.
+class Channel:
+    """One kind of tile's hand-off through the ring's ``STAGES`` buffers, between the producer and the consumers:
+    ``ready`` completes when a buffer's tile has landed, ``empty`` when every consumer is done with it.
 
     Key tile ``it`` of a walk goes through buffer ``stage(it)``, on that buffer's ``it // STAGES``-th round; a
     barrier completes once per round, so a wait for tile ``it`` waits for the parity ``phase(it)``. The methods
-    carry that rule: the consumers ``wait_ready`` and ``release``, the producer ``wait_empty`` (and
-    ``wait_landed`` for an FP8 tile) before it refills a buffer."""
+    carry that rule: the consumers :meth:`wait_ready` and :meth:`release`, the producer :meth:`wait_empty`
+    before it refills a buffer, whose loads then complete its ``ready``."""
 
-    k: gl.shared_memory_descriptor
-    v: gl.shared_memory_descriptor
-    vt: gl.shared_memory_descriptor
-    k8: gl.shared_memory_descriptor
-    v8: gl.shared_memory_descriptor
     ready: gl.shared_memory_descriptor
     empty: gl.shared_memory_descriptor
-    ready8: gl.shared_memory_descriptor
-    ready_v: gl.shared_memory_descriptor
-    empty_v: gl.shared_memory_descriptor
     STAGES: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, k, v, vt, k8, v8, ready, empty, ready8, ready_v, empty_v, STAGES):
-        self.k = k
-        self.v = v
-        self.vt = vt
-        self.k8 = k8
-        self.v8 = v8
+    def __init__(self, ready, empty, STAGES):
         self.ready = ready
         self.empty = empty
-        self.ready8 = ready8
-        self.ready_v = ready_v
-        self.empty_v = empty_v
         self.STAGES = gl.constexpr(STAGES)
 
     @gluon.jit
@@ -221,7 +201,7 @@ class Ring:
 
     @gluon.jit
     def wait_ready(self, it):
-        """Wait until key tile ``it`` has landed in its buffer."""
+        """Wait until tile ``it`` has landed in its buffer."""
         mbarrier.wait(self.ready.index(self.stage(it)), self.phase(it))
 
     @gluon.jit
@@ -235,24 +215,57 @@ class Ring:
         round (the first round passes at once: the parity before any completion)."""
         mbarrier.wait(self.empty.index(self.stage(it)), self.phase(it) ^ 1)
 
-    @gluon.jit
-    def wait_values(self, it):
-        """Wait until key tile ``it``'s values have landed (under ``SOFTMAX_UNDER_PV``; otherwise
-        :meth:`wait_ready` covers them)."""
-        mbarrier.wait(self.ready_v.index(self.stage(it)), self.phase(it))
+
+@gluon.jit
+def allocate_channel(STAGES: gl.constexpr, ARRIVALS: gl.constexpr, CONSUMERS: gl.constexpr):
+    """A :class:`Channel` of ``STAGES`` buffers, initialised: a buffer is ready after ``ARRIVALS`` arrivals (with
+    its expected bytes) and empty once each of ``CONSUMERS`` consumers released it."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=ARRIVALS)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    return Channel(ready, empty, STAGES)
+
+
+@aggregate
+class Ring:
+    """The K/V buffers of ``STAGES`` key tiles and their channels: ``k`` and ``v`` in the 16-bit type the MMAs
+    read, ``vt`` the split layout's cached values as V^T pages (``v`` itself in NHD), ``k8``/``v8`` an FP8 cache's
+    tiles as they land (``k``/``v`` themselves for a 16-bit cache). ``keys`` hands a buffer's tile over and back
+    (its keys and values together); under ``SOFTMAX_UNDER_PV`` the values have a channel of their own,
+    ``values`` (``keys`` then counts the keys alone), otherwise ``values`` is ``keys``. ``ready8`` (FP8 caches,
+    seen by the producer only) completes when a buffer's FP8 bytes have landed: :meth:`wait_landed`.
+    :meth:`stage` and :meth:`phase` are the channels' rule (:class:`Channel`)."""
+
+    k: gl.shared_memory_descriptor
+    v: gl.shared_memory_descriptor
+    vt: gl.shared_memory_descriptor
+    k8: gl.shared_memory_descriptor
+    v8: gl.shared_memory_descriptor
+    keys: Channel
+    values: Channel
+    ready8: gl.shared_memory_descriptor
+    STAGES: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, k, v, vt, k8, v8, keys, values, ready8, STAGES):
+        self.k = k
+        self.v = v
+        self.vt = vt
+        self.k8 = k8
+        self.v8 = v8
+        self.keys = keys
+        self.values = values
+        self.ready8 = ready8
+        self.STAGES = gl.constexpr(STAGES)
 
     @gluon.jit
-    def release_values(self, it):
-        """One consumer is done with tile ``it``'s values (under ``SOFTMAX_UNDER_PV``)."""
-        mbarrier.arrive(self.empty_v.index(self.stage(it)), count=1)
-
-    @gluon.jit
-    def wait_values_empty(self, it):
-        """The producer: wait until every consumer released the value buffer tile ``it`` is to fill (under
-        ``SOFTMAX_UNDER_PV``)."""
-        mbarrier.wait(self.empty_v.index(self.stage(it)), self.phase(it) ^ 1)
+    def stage(self, it):
+        """The buffer key tile ``it`` goes through."""
+        return self.keys.stage(it)
 
     @gluon.jit
     def wait_landed(self, it):
         """The producer, with an FP8 cache: wait until tile ``it``'s FP8 bytes have landed in the FP8 ring."""
-        mbarrier.wait(self.ready8.index(self.stage(it)), self.phase(it))
+        mbarrier.wait(self.ready8.index(self.stage(it)), self.keys.phase(it))
