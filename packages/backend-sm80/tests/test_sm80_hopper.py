@@ -1470,15 +1470,19 @@ def test_idle_half_is_on_where_its_branch_does_not_spill_and_reaches_the_launch(
 
 
 def test_lazy_rescale_compiles_for_sm90_without_spills():
-    """``LAZY_RESCALE`` (on by default for the engine's call on a 16-bit NHD cache) on that call's tile: no spills,
-    no instruction on an in-flight MMA's registers, and code of its own (the vote and its branch); where it did
-    not win (the split layout, an FP8 cache, the new tokens' K/V passed apart, split keys) it resolves off
-    whatever is asked."""
+    """``LAZY_RESCALE`` (on by default for the engine's call on a 16-bit NHD cache where ``SOFTMAX_UNDER_PV`` does
+    not apply: head size 96, pages of 8) on that call's tile: no spills, no instruction on an in-flight MMA's
+    registers, and code of its own (the vote and its branch); where it did not win (the split layout, an FP8
+    cache, the new tokens' K/V passed apart, split keys) it resolves off whatever is asked."""
     from pagedprefill_sm80.hopper.schedule import DEFAULTS
 
     assert DEFAULTS["LAZY_RESCALE"]
     engine = problem_shape(make_problem(SPEC.replace(kv_in_cache=True)))
-    assert resolve(engine, hopper_config(engine))["LAZY_RESCALE"]
+    assert resolve(engine, hopper_config(engine), dict(SOFTMAX_UNDER_PV=False))["LAZY_RESCALE"]
+    for lazy in (SPEC.replace(kv_in_cache=True, head_size=96), SPEC.replace(kv_in_cache=True, block_size=8)):
+        s = problem_shape(make_problem(lazy))
+        flags = resolve(s, hopper_config(s))
+        assert flags["LAZY_RESCALE"] and not flags["SOFTMAX_UNDER_PV"], lazy
     for off in (SPEC.replace(layout="split", kv_in_cache=True), SPEC.replace(kv_cache_dtype="fp8_e4m3",
                                                                               kv_in_cache=True), SPEC):
         shape = problem_shape(make_problem(off))
@@ -1505,7 +1509,8 @@ def compile_lazy_rescale() -> dict:
     s = problem_shape(problem)
     for name, lazy in (("plain", False), ("lazy", True)):
         compiled = compile_call(hopper_prefill_kernel,
-                                kernel_call(problem, hopper_config(s), s, dict(LAZY_RESCALE=lazy)), 90)
+                                kernel_call(problem, hopper_config(s), s,
+                                            dict(LAZY_RESCALE=lazy, SOFTMAX_UNDER_PV=False)), 90)
         code = sass(compiled)
         out[f"nhd/{name}"] = {**summarize(compiled, 90).to_dict(),
                               "barriers": None if code is None else len(re.findall(r"\bBAR\.", code))}
@@ -1609,17 +1614,17 @@ def compile_wide_boxes() -> dict:
 
 
 def test_softmax_under_pv_keeps_p_v_in_flight_over_the_softmax_without_spills():
-    """``SOFTMAX_UNDER_PV`` (timed, not yet through the suites on a GPU: off) applies to the NHD layout's 16-bit
+    """``SOFTMAX_UNDER_PV`` (on by default) applies to the NHD layout's 16-bit
     tiles of up to 128 keys at head sizes 128 and 256 with pages of at least 16 tokens, and turns
     ``LAZY_RESCALE`` off there.
     Compiled for sm90 (the engine's call, and the classic one with its new tokens' tiles) each consumer waits for
     the scores with ``P V`` still in flight (``WARPGROUP.DEPBAR.LE gsb0, 0x1``), without spills or instructions
     on an in-flight MMA's registers."""
-    assert not DEFAULTS["SOFTMAX_UNDER_PV"]
+    assert DEFAULTS["SOFTMAX_UNDER_PV"]
     engine = problem_shape(make_problem(SPEC.replace(kv_in_cache=True)))
     flags = resolve(engine, hopper_config(engine), dict(SOFTMAX_UNDER_PV=True))
     assert flags["SOFTMAX_UNDER_PV"] and not flags["LAZY_RESCALE"]
-    assert resolve(engine, hopper_config(engine))["LAZY_RESCALE"]
+    assert resolve(engine, hopper_config(engine), dict(SOFTMAX_UNDER_PV=False))["LAZY_RESCALE"]
     for on in (shape(), shape(head_size=256)):
         assert resolve(on, hopper_config(on), dict(SOFTMAX_UNDER_PV=True))["SOFTMAX_UNDER_PV"], on
     d64 = dataclasses.replace(shape(head_size=64), num_tokens=4096, num_seqs=2, max_query_len=2048)  # 256 keys

@@ -161,13 +161,12 @@ FLAGS: tuple[Flag, ...] = (
          "speculative 128 x 4 1.10 x, decode 4 x 128k 1.12 x, 16 x 32k 1.11 x, speculative 2 x 8 on 64k 1.07 x; "
          "split form 1.06-1.11 x on those rows; prefill rows level (0.99-1.02 x)",
          Where(max_keys=128, padded_requires=("HEAD_PANELS",), requires=("PINGPONG",))),
-    Flag("SOFTMAX_UNDER_PV", False,
+    Flag("SOFTMAX_UNDER_PV", True,
          "each consumer issues tile j's `Q K^T` and tile j-1's `P V` together and runs tile j's softmax while `P V` "
          "is in flight, rescaling the accumulator once it lands; the ring's K and V buffers have barriers of their "
          "own, so that a tile's keys are handed back when its scores are in and its values when its `P V` is "
          "done, and the producer refills each as soon as it is free",
-         "nowhere until it passes the suites on a GPU (`UNVERIFIED_FLAGS`), then where it measured faster: the "
-         "NHD layout's 16-bit cache at head sizes 128 and 256, where the consumers waited for their own MMAs a "
+         "the NHD layout's 16-bit cache at head sizes 128 and 256, where the consumers waited for their own MMAs a "
          "third of their time (at 256 `ptxas` keeps the shared memory's base address in 40 bytes of local "
          "memory, read at each partition's start and in the barrier waits' retry paths). Not at head size 96, "
          "where its form over the panels (two `P V`s in flight) measured 0.93 x on Phi-3-mini's prefix-cached "
@@ -271,8 +270,9 @@ FLAGS: tuple[Flag, ...] = (
          "only on a tile where one of its rows' max moved, decided by a vote of its rows (a reduction across its "
          "four warps: two more barriers per tile), instead of 64 multiplies per thread on every tile",
          "the engine's call (`k = v = None`) on a 16-bit NHD cache, tiles of at most 128 keys walked by one "
-         "program; with the split layout's copy addresses beside them the consumers spill on its vote (ALiBi 56 "
-         "bytes, a window 24, softcap 20)",
+         "program, where `SOFTMAX_UNDER_PV` does not apply (head size 96, pages of 8 tokens); with the split "
+         "layout's copy addresses beside them the consumers spill on its vote (ALiBi 56 bytes, a window 24, "
+         "softcap 20)",
          "on the engine suite (H100, 2026-12-07, three alternating rounds): 1.01-1.04 x on the engine call's "
          "prefill rows, level on decode; where it is off it measured 0.86-1.01 x with an FP8 cache, 0.98-1.03 x "
          "with the new tokens' K/V passed apart, 0.97-0.99 x on 256-key tiles (head size 64), 0.95 x with split "
@@ -286,7 +286,7 @@ DEFAULTS = {flag.name: flag.default for flag in FLAGS}
 
 #: Flags that are built but have not yet passed the suites on a GPU or been timed there: off, and on no route of
 #: the policy, until they have (``PAGEDPREFILL_SM80_SCHEDULE`` turns one on to check and time it).
-UNVERIFIED_FLAGS: frozenset = frozenset({"WIDE_BOXES", "SOFTMAX_UNDER_PV"})
+UNVERIFIED_FLAGS: frozenset = frozenset({"WIDE_BOXES"})
 
 
 def applied(asked: dict, shape: ProblemShape, config: TileConfig) -> dict:
