@@ -75,6 +75,39 @@ def test_a_backend_that_runs_everything_sweeps_the_shared_cases():
         [random_spec(1000 + seed, "small", SWEEP_DTYPES) for seed in range(40)]
 
 
+def test_the_model_heads_sweep_draws_the_heads_models_run_beside_every_option():
+    """Its cases take head sizes and groups from what models run, every one of them drawn within 200 seeds, with
+    the options of the default draw (the default sweep's own cases are unchanged: the test above)."""
+    from pagedprefill.testing.cases import MODEL_GROUPS, MODEL_HEAD_SIZES
+
+    specs = [ConformanceSuite().model_heads_spec(5000 + seed, "small", SWEEP_DTYPES) for seed in range(200)]
+    assert {spec.head_size for spec in specs} == set(MODEL_HEAD_SIZES)
+    assert {spec.num_heads // spec.num_kv_heads for spec in specs} == set(MODEL_GROUPS)
+    for option in ("alibi", "sinks", "kv_in_cache"):
+        assert {getattr(spec, option) for spec in specs if spec.head_size in (80, 96, 256)} == {True, False}, option
+    assert {spec.layout for spec in specs if spec.head_size in (80, 96, 256)} == {"nhd", "split"}
+    assert {spec.kv_cache_dtype for spec in specs if spec.head_size == 256} >= {"auto", "fp8_e4m3"}
+
+
+def test_a_sweep_case_beyond_a_backends_limits_is_skipped_with_its_refusal(monkeypatch):
+    """A random case the backend's ``check_problem`` refuses (a float32 head too wide for the device's shared
+    memory) is counted as skipped with the backend's words, not failed; one it takes is not."""
+    from pagedprefill import get_registry
+    from pagedprefill.errors import UnsupportedFeatureError
+    from pagedprefill.testing import make_problem
+
+    def check_problem(problem, device):
+        if problem.head_size > 128:
+            raise UnsupportedFeatureError("head_size 256 needs more shared memory than this device has")
+
+    monkeypatch.setattr(get_registry().get("reference"), "check_problem", check_problem)
+    suite = ConformanceSuite()
+    wide = make_problem(case_spec("head_size_256", "small", 0), CPU)
+    assert suite._beyond_limits(wide, CPU) == \
+        "beyond the backend's limits: head_size 256 needs more shared memory than this device has"
+    assert suite._beyond_limits(make_problem(case_spec("head_size_96", "small", 0), CPU), CPU) is None
+
+
 def test_only_the_declared_cache_dtype_is_excluded():
     class NoE5m2(ConformanceSuite):
         backend = "reference"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Optional
 
 import torch
@@ -216,20 +216,29 @@ def case_spec(name: str, size: str = "small", seed: int = 0) -> BatchSpec:
 
 #: The cache formats a random case draws from (``auto`` twice as often as each FP8 format).
 RANDOM_KV_CACHE_DTYPES = ("auto", "auto", "fp8_e4m3", "fp8_e5m2")
+#: The head sizes and head groups (query heads per KV head) :func:`random_spec` draws by default.
+RANDOM_HEAD_SIZES = (8, 16, 24, 40, 64, 72, 128)
+RANDOM_GROUPS = (1, 2, 3, 4, 8)
+#: What models run, which :func:`model_heads_spec` draws instead: the head sizes of Llama, Qwen, Gemma-2, Phi-3
+#: and Falcon, and head groups that do not divide a tile (3, 5, 6, 7) beside MHA and a group of 8.
+MODEL_HEAD_SIZES = (64, 80, 96, 128, 256)
+MODEL_GROUPS = (1, 3, 5, 6, 7, 8)
 
 
 def random_spec(seed: int, size: str = "small", dtypes=(torch.float16, torch.float32),
                 kv_cache_dtypes: Optional[Collection[str]] = None,
-                features: Optional[Collection[str]] = None) -> BatchSpec:
+                features: Optional[Collection[str]] = None,
+                head_sizes: Sequence[int] = RANDOM_HEAD_SIZES, groups: Sequence[int] = RANDOM_GROUPS) -> BatchSpec:
     """A random case for property sweeps: ragged lengths, block size, head size, GQA ratio, options.
 
     ``kv_cache_dtypes`` (default: every format) and ``features`` (the optional features of
-    :data:`pagedprefill.options.FEATURES` a case may use; default: all) narrow the draw to what a backend runs.
+    :data:`pagedprefill.options.FEATURES` a case may use; default: all) narrow the draw to what a backend runs;
+    ``head_sizes`` and ``groups`` are what the head size and the query heads per KV head are drawn from.
     Left at their defaults, a seed gives the same case as it always has.
     """
     rng = random.Random(seed)
     hkv = rng.choice([1, 2])
-    group = rng.choice([1, 2, 3, 4, 8])
+    group = rng.choice(list(groups))
     scale = 8 if size == "large" else 1
     n = rng.randint(1, 4)
     formats = [f for f in RANDOM_KV_CACHE_DTYPES if kv_cache_dtypes is None or f in kv_cache_dtypes]
@@ -242,7 +251,7 @@ def random_spec(seed: int, size: str = "small", dtypes=(torch.float16, torch.flo
         query_lens=tuple(rng.choice([0, 1, rng.randint(1, 40 * scale)]) for _ in range(n)),
         context_lens=tuple(rng.choice([0, rng.randint(1, 60 * scale)]) for _ in range(n)),
         num_heads=hkv * group, num_kv_heads=hkv,
-        head_size=rng.choice([8, 16, 24, 40, 64, 72, 128]),
+        head_size=rng.choice(list(head_sizes)),
         block_size=rng.choice([1, 3, 8, 16, 19, 32]),
         dtype=rng.choice(list(dtypes)),
         kv_cache_dtype=kv_dtype,
@@ -270,6 +279,16 @@ def random_spec(seed: int, size: str = "small", dtypes=(torch.float16, torch.flo
                         fp8_out_scale=fp8_out_scale if allowed("fp8_out_scale") else None,
                         nan_unused_slots=seed % 2 == 1)  # not drawn: the draws above stay as they were
     return spec
+
+
+def model_heads_spec(seed: int, size: str = "small", dtypes=(torch.float16, torch.float32),
+                     kv_cache_dtypes: Optional[Collection[str]] = None,
+                     features: Optional[Collection[str]] = None) -> BatchSpec:
+    """A random case as :func:`random_spec` draws it, at the head sizes and head groups models run
+    (:data:`MODEL_HEAD_SIZES`, :data:`MODEL_GROUPS`): head sizes 80, 96 and 256 and groups of 5-7 heads beside
+    every option, which the default draw never combines."""
+    return random_spec(seed, size, dtypes, kv_cache_dtypes=kv_cache_dtypes, features=features,
+                       head_sizes=MODEL_HEAD_SIZES, groups=MODEL_GROUPS)
 
 
 def written_rows(problem: PrefillProblem) -> torch.Tensor:

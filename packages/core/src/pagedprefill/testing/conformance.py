@@ -17,7 +17,8 @@ the case as skipped with that reason.
 
 Options (registered by the pytest plugin): ``--pagedprefill-device`` (default: ``cuda`` when present,
 else ``cpu``), ``--pagedprefill-size`` (``small`` for the interpreter, ``large`` for GPUs),
-``--pagedprefill-sweep`` (number of random cases in the sweep, run in :data:`SWEEP_PARTS` parts).
+``--pagedprefill-sweep`` (number of random cases in the sweep, run in :data:`SWEEP_PARTS` parts; the
+model-heads sweep draws a quarter as many, at least one per part).
 
 In Triton's interpreter the suites of this repository's backends share the named, multi-tile and split-key
 cases they run with the same kernel and tile: one suite runs each, the others skip it naming that suite
@@ -54,6 +55,7 @@ from .cases import (
     SPLIT_KEY_COUNTS,
     assert_matches_reference,
     case_spec,
+    model_heads_spec,
     multi_tile_spec,
     random_spec,
     split_key_spec,
@@ -163,6 +165,15 @@ class ConformanceSuite:
         # A backend that runs every format and feature draws the cases every such backend shares.
         return random_spec(seed, size, dtypes, kv_cache_dtypes=formats, features=features)
 
+    def model_heads_spec(self, seed: int, size: str, dtypes: tuple) -> BatchSpec:
+        """The batch of one case of the model-heads sweep (:func:`~pagedprefill.testing.cases.model_heads_spec`:
+        head sizes 64-256 and head groups of 1 and 3-8), drawn from what the backend runs as
+        :meth:`sweep_spec` draws."""
+        excluded = {fmt.value for fmt in self._excluded_cache_dtypes()}
+        formats = {fmt for fmt in RANDOM_KV_CACHE_DTYPES if fmt not in excluded}
+        features = get_registry().get(self.backend).supported_features
+        return model_heads_spec(seed, size, dtypes, kv_cache_dtypes=formats, features=features)
+
     def _skip_reason(self, spec: BatchSpec, device: torch.device, case: Optional[str] = None) -> Optional[str]:
         if case is not None and case in self.exclusions:
             return f"excluded for backend {self.backend!r}: {self.exclusions[case]}"
@@ -190,6 +201,16 @@ class ConformanceSuite:
             assert name in str(refused.value), f"{label}: the refusal does not name {name!r}: {refused.value}"
         # The refusal was checked above; its text already names the backend and the features.
         return f"refused, as its supported_features declare: {refused.value}"
+
+    def _beyond_limits(self, problem: PrefillProblem, device: torch.device) -> Optional[str]:
+        """None when the backend's :meth:`~pagedprefill.Backend.check_problem` takes ``problem`` on the suite's
+        device; else its refusal, which names the limit (a random case may draw a head size whose float32 tile
+        no device's shared memory holds, which the named cases leave out)."""
+        try:
+            get_registry().get(self.backend).check_problem(problem, self.device_info(device))
+        except UnsupportedFeatureError as refused:
+            return f"beyond the backend's limits: {refused}"
+        return None
 
     def _check(self, spec: BatchSpec, device: torch.device, label: str) -> None:
         problem = make_problem(spec, device)
@@ -393,31 +414,49 @@ class ConformanceSuite:
     def test_random_sweep(self, part, pagedprefill_device, pagedprefill_size, pagedprefill_sweep, terminal_line):
         """Part ``part`` of the random sweep: the cases whose index is ``part`` modulo :data:`SWEEP_PARTS`
         (most random cases compile a kernel of their own, so parallel workers share them out by part)."""
-        seeds = range(part, pagedprefill_sweep, SWEEP_PARTS)
+        self._sweep("sweep", 1000, self.sweep_spec, part, pagedprefill_sweep, pagedprefill_device,
+                    pagedprefill_size, terminal_line)
+
+    @pytest.mark.parametrize("part", range(SWEEP_PARTS))
+    def test_model_heads_sweep(self, part, pagedprefill_device, pagedprefill_size, pagedprefill_sweep,
+                               terminal_line):
+        """Part ``part`` of the model-heads sweep (:meth:`model_heads_spec`): a quarter as many cases as the
+        random sweep, at least one per part, at the head sizes and groups models run."""
+        cases = max(SWEEP_PARTS, -(-pagedprefill_sweep // 4)) if pagedprefill_sweep else 0
+        self._sweep("model heads sweep", 5000, self.model_heads_spec, part, cases, pagedprefill_device,
+                    pagedprefill_size, terminal_line)
+
+    def _sweep(self, name: str, first_seed: int, spec_of: Callable, part: int, cases: int, device: torch.device,
+               size: str, terminal_line) -> None:
+        """Check the cases of seeds ``first_seed + i`` for the ``i`` of ``range(cases)`` that are ``part`` modulo
+        :data:`SWEEP_PARTS`, each batch from ``spec_of(seed, size, dtypes)``; a case the backend declares
+        unsupported or refuses (naming the feature) is counted and said, not checked."""
+        seeds = range(part, cases, SWEEP_PARTS)
         if not seeds:
-            pytest.skip(f"a sweep of {pagedprefill_sweep} cases has none for part {part} of {SWEEP_PARTS}")
+            pytest.skip(f"a {name} of {cases} cases has none for part {part} of {SWEEP_PARTS}")
         dtypes = (torch.float16, torch.float32)
-        if pagedprefill_device.type != "cpu":
+        if device.type != "cpu":
             dtypes += (torch.bfloat16,)
         checked, skipped = 0, Counter()
         for seed in seeds:
-            spec = self.sweep_spec(1000 + seed, pagedprefill_size, dtypes)
-            label = f"{self.backend}/sweep/seed={1000 + seed}"
-            reason = self._skip_reason(spec, pagedprefill_device)
+            spec = spec_of(first_seed + seed, size, dtypes)
+            label = f"{self.backend}/{name.replace(' ', '_')}/seed={first_seed + seed}"
+            reason = self._skip_reason(spec, device)
             if reason:
                 skipped[reason] += 1
                 continue
-            refusal = self._refused(make_problem(spec, pagedprefill_device), pagedprefill_device, label)
-            if refusal:  # the refusal named each missing feature
+            problem = make_problem(spec, device)
+            refusal = self._refused(problem, device, label) or self._beyond_limits(problem, device)
+            if refusal:  # the refusal named each missing feature, or the limit the problem passes
                 skipped[refusal] += 1
                 continue
-            self._check(spec, pagedprefill_device, label)
+            self._check(spec, device, label)
             checked += 1
-        terminal_line(f"{self.backend} sweep part {part}: {checked} of {len(seeds)} random cases checked against "
+        terminal_line(f"{self.backend} {name} part {part}: {checked} of {len(seeds)} random cases checked against "
                       f"the reference, {sum(skipped.values())} skipped"
                       + "".join(f"\n  {n} x {reason}" for reason, n in skipped.items()))
         if not checked:  # every case of this part was declared unsupported: say which, as a skip
-            pytest.skip(f"part {part} of the sweep: all {len(seeds)} cases skipped: "
+            pytest.skip(f"part {part} of the {name}: all {len(seeds)} cases skipped: "
                         + "; ".join(f"{n} x {reason}" for reason, n in skipped.items()))
 
 
