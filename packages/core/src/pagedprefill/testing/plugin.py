@@ -87,7 +87,8 @@ def pytest_addoption(parser):
     group.addoption("--pagedprefill-size", default=None, choices=("small", "large"),
                     help="case sizes: small (interpreter-friendly) or large (default on GPUs)")
     group.addoption("--pagedprefill-sweep", type=int, default=None,
-                    help="number of random cases in the conformance sweep (default 8 on CPU, 200 on GPU)")
+                    help="number of random cases in the conformance sweep (default 8 on CPU, 200 on GPU); the "
+                         "model-heads sweep draws a quarter as many, at least 8")
     group.addoption("--pagedprefill-fuzz", type=int, default=2000,
                     help="number of random cases of the GPU fuzz against the reference (default 2000)")
     group.addoption("--pagedprefill-fuzz-engine", type=int, default=0,
