@@ -113,7 +113,7 @@ def allocate_ring(cfg, v_cache_t, k_cache, dtype: gl.constexpr):
                          "SOFTMAX_UNDER_PV: the NHD layout's 16-bit boxes at a head size that fills the tile")
         values = allocate_channel(STAGES, 1, cfg.CONSUMERS)
     fence_async_shared()
-    return Ring(k_smem, v_smem, vt_smem, k8_smem, v8_smem, keys, values, ready8, STAGES)
+    return Ring(k_smem, v_smem, vt_smem, k8_smem, v8_smem, keys, values, ready8)
 
 
 @gluon.jit

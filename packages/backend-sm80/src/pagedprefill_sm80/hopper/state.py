@@ -236,7 +236,7 @@ class Ring:
     (its keys and values together); under ``SOFTMAX_UNDER_PV`` the values have a channel of their own,
     ``values`` (``keys`` then counts the keys alone), otherwise ``values`` is ``keys``. ``ready8`` (FP8 caches,
     seen by the producer only) completes when a buffer's FP8 bytes have landed: :meth:`wait_landed`.
-    :meth:`stage` and :meth:`phase` are the channels' rule (:class:`Channel`)."""
+    :meth:`stage` is the channels' rule (:class:`Channel`)."""
 
     k: gl.shared_memory_descriptor
     v: gl.shared_memory_descriptor
@@ -246,10 +246,9 @@ class Ring:
     keys: Channel
     values: Channel
     ready8: gl.shared_memory_descriptor
-    STAGES: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, k, v, vt, k8, v8, keys, values, ready8, STAGES):
+    def __init__(self, k, v, vt, k8, v8, keys, values, ready8):
         self.k = k
         self.v = v
         self.vt = vt
@@ -258,7 +257,6 @@ class Ring:
         self.keys = keys
         self.values = values
         self.ready8 = ready8
-        self.STAGES = gl.constexpr(STAGES)
 
     @gluon.jit
     def stage(self, it):

@@ -159,20 +159,21 @@ class ConformanceSuite:
         runs: no cache format of :attr:`excluded_kv_cache_dtypes`, and only the optional features it lists in
         ``supported_features`` (the named cases check that it refuses the others), so that every sweep case
         is computed and compared."""
-        excluded = {fmt.value for fmt in self._excluded_cache_dtypes()}
-        formats = {fmt for fmt in RANDOM_KV_CACHE_DTYPES if fmt not in excluded}
-        features = get_registry().get(self.backend).supported_features
         # A backend that runs every format and feature draws the cases every such backend shares.
-        return random_spec(seed, size, dtypes, kv_cache_dtypes=formats, features=features)
+        return random_spec(seed, size, dtypes, **self._what_it_runs())
 
     def model_heads_spec(self, seed: int, size: str, dtypes: tuple) -> BatchSpec:
         """The batch of one case of the model-heads sweep (:func:`~pagedprefill.testing.cases.model_heads_spec`:
         head sizes 64-256 and head groups of 1 and 3-8), drawn from what the backend runs as
         :meth:`sweep_spec` draws."""
+        return model_heads_spec(seed, size, dtypes, **self._what_it_runs())
+
+    def _what_it_runs(self) -> dict:
+        """The random draws' limits for this backend: its cache formats (less :attr:`excluded_kv_cache_dtypes`)
+        and its ``supported_features``."""
         excluded = {fmt.value for fmt in self._excluded_cache_dtypes()}
-        formats = {fmt for fmt in RANDOM_KV_CACHE_DTYPES if fmt not in excluded}
-        features = get_registry().get(self.backend).supported_features
-        return model_heads_spec(seed, size, dtypes, kv_cache_dtypes=formats, features=features)
+        return dict(kv_cache_dtypes={fmt for fmt in RANDOM_KV_CACHE_DTYPES if fmt not in excluded},
+                    features=get_registry().get(self.backend).supported_features)
 
     def _skip_reason(self, spec: BatchSpec, device: torch.device, case: Optional[str] = None) -> Optional[str]:
         if case is not None and case in self.exclusions:
