@@ -1,4 +1,4 @@
-"""The Hopper kernel's schedule against a variant of it, on the engine suite's rows (GPU, alternating rounds).
+"""The Hopper kernel's schedule against a variant of it, on a bench suite's rows (GPU, alternating rounds).
 
 Each row is built once in the serving engine's form (k = v = None, every key and value in the NHD cache) and,
 with ``--forms``, in the classic form on the split layout (or NHD); each form is bound twice by the sm80 backend
@@ -7,7 +7,8 @@ flags of ``--flags`` over them (``PAGEDPREFILL_SM80_SCHEDULE`` at bind time). Bo
 against the float32 reference before they are timed; the times are medians of ``do_bench`` medians over
 alternating rounds.
 
-Usage: python ci/gpu/schedule_ab.py --flags IDLE_HALF=0 [--only mixed --only decode ...] [--forms engine,split]
+Usage: python ci/gpu/schedule_ab.py --flags IDLE_HALF=0 [--suite engine|models|default|context]
+       [--only mixed --only decode ...] [--forms engine,split]
        [--rounds 5] [--reps 100] [--json PATH]
 One line per row and form: TFLOP/s (GB/s too for memory-bound rows) of each plan and their ratio; `--json`
 is written after every row, so that a run cut short keeps what it timed. Exit status 1
@@ -28,7 +29,7 @@ from pagedprefill.api import get_registry
 from pagedprefill.cli.bench import output_error, reference_output
 from pagedprefill.device import DeviceInfo
 from pagedprefill.timing import alternating_rounds
-from pagedprefill.workloads import classic_twin, engine_suite, flops, fresh_output, kv_bytes, make_problem
+from pagedprefill.workloads import SUITES, classic_twin, flops, fresh_output, kv_bytes, make_problem
 from pagedprefill_sm80.hopper.schedule import SCHEDULE_ENV, parse
 
 
@@ -48,6 +49,7 @@ def bound(backend, problem, info, flags: str):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--flags", required=True, help="the variant's schedule flags, e.g. IDLE_HALF=0")
+    parser.add_argument("--suite", choices=sorted(SUITES), default="engine", help="the suite whose rows are timed")
     parser.add_argument("--only", action="append", default=[], help="rows whose name contains this (repeatable)")
     parser.add_argument("--forms", default="engine,split", help="engine, nhd and/or split")
     parser.add_argument("--rounds", type=int, default=5)
@@ -61,9 +63,9 @@ def main(argv=None) -> int:
     forms = [form for form in args.forms.split(",") if form]
     if set(forms) - {"engine", "nhd", "split"}:
         parser.error(f"--forms: expected engine, nhd and/or split, got {args.forms}")
-    rows = [wl for wl in engine_suite() if not args.only or any(part in wl.name for part in args.only)]
+    rows = [wl for wl in SUITES[args.suite]() if not args.only or any(part in wl.name for part in args.only)]
     if not rows:
-        parser.error(f"--only {args.only}: no row of the engine suite matches")
+        parser.error(f"--only {args.only}: no row of the {args.suite} suite matches")
     info = DeviceInfo.detect(torch.device("cuda"))
     backend = get_registry().get("sm80")
     results, ok = [], True
