@@ -108,6 +108,33 @@ def test_a_sweep_case_beyond_a_backends_limits_is_skipped_with_its_refusal(monke
     assert suite._beyond_limits(make_problem(case_spec("head_size_96", "small", 0), CPU), CPU) is None
 
 
+def test_a_sweep_part_runs_every_case_and_names_each_one_that_fails():
+    """A wrong answer on some cases of a part does not stop the part: each failing case is said on the terminal
+    as it fails (a run cut by its time limit keeps it), the others are still checked, and the part fails naming
+    every failing seed."""
+    wrong_seeds = {1000 + 3, 1000 + 11}
+
+    class WrongOnSome(ConformanceSuite):
+        backend = "reference"
+
+        def _check(self, spec, device, label):
+            self.seed = spec.seed
+            super()._check(spec, device, label)
+
+        def run_backend(self, problem, device):
+            out = super().run_backend(problem, device)
+            return out + 1.0 if self.seed in wrong_seeds else out
+
+    lines, suite = [], WrongOnSome()
+    with pytest.raises(pytest.fail.Exception) as failed:
+        suite._sweep("sweep", 1000, suite.sweep_spec, 3, 16, CPU, "small", lines.append)
+    said = [line for line in lines if line.startswith("FAILED ")]
+    assert [re.search(r"seed=(\d+)", line).group(1) for line in said] == ["1003", "1011"]
+    assert "2 of 2 cases of part 3 of the sweep failed" in str(failed.value)
+    assert all(f"seed={seed}" in str(failed.value) for seed in wrong_seeds)
+    assert lines[-1].startswith("reference sweep part 3: 2 of 2 random cases checked against the reference, 2 failed")
+
+
 def test_only_the_declared_cache_dtype_is_excluded():
     class NoE5m2(ConformanceSuite):
         backend = "reference"
@@ -154,6 +181,30 @@ def test_skip_reasons_seen_by_a_third_party_backend(tmp_path):
     assert "needs a ~9 GB cache: run the conformance tests of backend 'reference' on a GPU" in out, out
     assert "''s" not in out, out
     assert "nox" not in out, out
+
+
+def test_seeds_option_checks_only_the_named_sweep_cases(tmp_path):
+    """``--pagedprefill-seeds`` (the seed a failing case names) checks those cases of the sweeps and skips the
+    parts without one; a malformed list is a usage error naming the option."""
+    (tmp_path / "test_third_party.py").write_text(textwrap.dedent(THIRD_PARTY_TESTS))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "TRITON_INTERPRET")}
+
+    def pytest_run(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-s", "-rs", "-p", "no:cacheprovider", "--pagedprefill-device=cpu",
+             "-k", "random_sweep", *args, str(tmp_path)], capture_output=True, text=True, cwd=tmp_path, env=env,
+            timeout=300)
+
+    proc = pytest_run("--pagedprefill-seeds=1003,1005")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert re.search(r"\b2 passed, 6 skipped\b", out), out
+    assert len(re.findall(r"reference sweep part [35]: 1 of 1 random cases checked", out)) == 2, out
+    assert "--pagedprefill-seeds names no case of part 0 of the sweep" in out, out
+    proc = pytest_run("--pagedprefill-seeds=seed=1003")
+    assert proc.returncode != 0
+    assert "--pagedprefill-seeds: expected seeds separated by commas (e.g. 5027,1003), got 'seed=1003'" in \
+        proc.stdout + proc.stderr
 
 
 def test_a_refused_feature_is_skipped_with_the_refusal_said_once(monkeypatch):

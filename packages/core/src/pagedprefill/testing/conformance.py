@@ -18,7 +18,8 @@ the case as skipped with that reason.
 Options (registered by the pytest plugin): ``--pagedprefill-device`` (default: ``cuda`` when present,
 else ``cpu``), ``--pagedprefill-size`` (``small`` for the interpreter, ``large`` for GPUs),
 ``--pagedprefill-sweep`` (number of random cases in the sweep, run in :data:`SWEEP_PARTS` parts; the
-model-heads sweep draws a quarter as many, at least one per part).
+model-heads sweep draws a quarter as many, at least one per part), ``--pagedprefill-seeds`` (only the sweep
+cases of these seeds: a failing case names its seed, and is said on the terminal as it fails).
 
 In Triton's interpreter the suites of this repository's backends share the named, multi-tile and split-key
 cases they run with the same kernel and tile: one suite runs each, the others skip it naming that suite
@@ -412,33 +413,40 @@ class ConformanceSuite:
         assert_matches_reference(out, problem, atol, rtol, label=f"{self.backend}/offsets>2^31")
 
     @pytest.mark.parametrize("part", range(SWEEP_PARTS))
-    def test_random_sweep(self, part, pagedprefill_device, pagedprefill_size, pagedprefill_sweep, terminal_line):
+    def test_random_sweep(self, part, pagedprefill_device, pagedprefill_size, pagedprefill_sweep,
+                          pagedprefill_seeds, terminal_line):
         """Part ``part`` of the random sweep: the cases whose index is ``part`` modulo :data:`SWEEP_PARTS`
         (most random cases compile a kernel of their own, so parallel workers share them out by part)."""
         self._sweep("sweep", 1000, self.sweep_spec, part, pagedprefill_sweep, pagedprefill_device,
-                    pagedprefill_size, terminal_line)
+                    pagedprefill_size, terminal_line, pagedprefill_seeds)
 
     @pytest.mark.parametrize("part", range(SWEEP_PARTS))
     def test_model_heads_sweep(self, part, pagedprefill_device, pagedprefill_size, pagedprefill_sweep,
-                               terminal_line):
+                               pagedprefill_seeds, terminal_line):
         """Part ``part`` of the model-heads sweep (:meth:`model_heads_spec`): a quarter as many cases as the
         random sweep, at least one per part, at the head sizes and groups models run."""
         cases = max(SWEEP_PARTS, -(-pagedprefill_sweep // 4)) if pagedprefill_sweep else 0
         self._sweep("model heads sweep", 5000, self.model_heads_spec, part, cases, pagedprefill_device,
-                    pagedprefill_size, terminal_line)
+                    pagedprefill_size, terminal_line, pagedprefill_seeds)
 
     def _sweep(self, name: str, first_seed: int, spec_of: Callable, part: int, cases: int, device: torch.device,
-               size: str, terminal_line) -> None:
+               size: str, terminal_line, only: Optional[frozenset] = None) -> None:
         """Check the cases of seeds ``first_seed + i`` for the ``i`` of ``range(cases)`` that are ``part`` modulo
         :data:`SWEEP_PARTS`, each batch from ``spec_of(seed, size, dtypes)``; a case the backend declares
-        unsupported or refuses (naming the feature) is counted and said, not checked."""
+        unsupported or refuses (naming the feature) is counted and said, not checked. Every case runs: each one
+        that fails is said on the terminal as it fails (its seed, batch and message), and the part then fails
+        naming all of them. ``only``: the seeds to check (``--pagedprefill-seeds``), the others left out."""
         seeds = range(part, cases, SWEEP_PARTS)
         if not seeds:
             pytest.skip(f"a {name} of {cases} cases has none for part {part} of {SWEEP_PARTS}")
+        if only is not None:
+            seeds = [seed for seed in seeds if first_seed + seed in only]
+            if not seeds:
+                pytest.skip(f"--pagedprefill-seeds names no case of part {part} of the {name}")
         dtypes = (torch.float16, torch.float32)
         if device.type != "cpu":
             dtypes += (torch.bfloat16,)
-        checked, skipped = 0, Counter()
+        checked, skipped, failed = 0, Counter(), []
         for seed in seeds:
             spec = spec_of(first_seed + seed, size, dtypes)
             label = f"{self.backend}/{name.replace(' ', '_')}/seed={first_seed + seed}"
@@ -451,11 +459,19 @@ class ConformanceSuite:
             if refusal:  # the refusal named each missing feature, or the limit the problem passes
                 skipped[refusal] += 1
                 continue
-            self._check(spec, device, label)
+            try:
+                self._check(spec, device, label)
+            except Exception as why:  # noqa: BLE001 - every case of the part runs; the part fails below
+                # Said at once: a run cut by its time limit keeps the message, which pytest prints only at the end.
+                failed.append(f"{label} [{spec.describe()}]: {type(why).__name__}: {why}")
+                terminal_line(f"FAILED {failed[-1]}")
             checked += 1
         terminal_line(f"{self.backend} {name} part {part}: {checked} of {len(seeds)} random cases checked against "
-                      f"the reference, {sum(skipped.values())} skipped"
+                      f"the reference, {len(failed)} failed, {sum(skipped.values())} skipped"
                       + "".join(f"\n  {n} x {reason}" for reason, n in skipped.items()))
+        if failed:
+            pytest.fail(f"{len(failed)} of {checked} cases of part {part} of the {name} failed:\n"
+                        + "\n".join(failed), pytrace=False)
         if not checked:  # every case of this part was declared unsupported: say which, as a skip
             pytest.skip(f"part {part} of the {name}: all {len(seeds)} cases skipped: "
                         + "; ".join(f"{n} x {reason}" for reason, n in skipped.items()))

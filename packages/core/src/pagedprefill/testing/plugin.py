@@ -4,6 +4,8 @@ filter for the one warning Triton's CPU interpreter floods test output with."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 
@@ -89,6 +91,9 @@ def pytest_addoption(parser):
     group.addoption("--pagedprefill-sweep", type=int, default=None,
                     help="number of random cases in the conformance sweep (default 8 on CPU, 200 on GPU); the "
                          "model-heads sweep draws a quarter as many, at least 8")
+    group.addoption("--pagedprefill-seeds", default=None, metavar="SEED,...",
+                    help="check only these cases of the two sweeps, by the seed a failing case names "
+                         "(seed=5027), e.g. 5027,1003; the sweep's size still bounds which seeds exist")
     group.addoption("--pagedprefill-fuzz", type=int, default=2000,
                     help="number of random cases of the GPU fuzz against the reference (default 2000)")
     group.addoption("--pagedprefill-fuzz-engine", type=int, default=0,
@@ -118,6 +123,19 @@ def pagedprefill_size(request, pagedprefill_device) -> str:
 def pagedprefill_sweep(request, pagedprefill_device) -> int:
     n = request.config.getoption("--pagedprefill-sweep")
     return n if n is not None else (8 if pagedprefill_device.type == "cpu" else 200)
+
+
+@pytest.fixture(scope="session")
+def pagedprefill_seeds(request) -> Optional[frozenset]:
+    """The sweep cases ``--pagedprefill-seeds`` names (None: every case of the sweeps)."""
+    text = request.config.getoption("--pagedprefill-seeds")
+    if text is None:
+        return None
+    try:
+        return frozenset(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise pytest.UsageError(f"--pagedprefill-seeds: expected seeds separated by commas (e.g. 5027,1003), "
+                                f"got {text!r}") from None
 
 
 @pytest.fixture(scope="session")
