@@ -144,10 +144,12 @@ FLAGS: tuple[Flag, ...] = (
          "from the head's first, which bring the next head's first 32 columns into the columns no panel reads, "
          "instead of boxes of a rank-3 view `[rows, heads, 96]` that fill them with zeros: the loads of head size "
          "128's plain boxes (the last head's box ends past the row and reads zeros there)",
-         "nowhere until it is timed and checked on a GPU (`UNVERIFIED_FLAGS`): head size 96's MHA decode streams at "
-         "about half of head size 128's GB/s on the same grid, and the rank-3 boxes are what its loads do "
-         "differently",
-         "not measured yet",
+         "nowhere until sm80's suites pass with it on a GPU (`UNVERIFIED_FLAGS`): head size 96's MHA decode "
+         "streams at about half of head size 128's GB/s on the same grid, and the rank-3 boxes are what its loads "
+         "do differently. Its first run through sm80's suite (forced) had 4 failures in the model-heads sweep, not "
+         "yet read (at least two of them in parts without a padded head)",
+         "H100, 2026-12-08, engine form against the policy in alternating rounds: Phi-3-mini decode 128 x 2k 1.15 x "
+         "(1831 vs 1586 GB/s) at TP 1, 1.10 x at TP 8; prefix-cached and chunked 1.01 x",
          Where(layout=NHD, padded_head=True, requires=("HEAD_PANELS",))),
     Flag("IDLE_HALF", True,
          "with `PINGPONG`: the second consumer, when its half of the tile holds no query row (a decode or "
