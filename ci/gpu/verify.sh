@@ -179,11 +179,12 @@ conformance_suites() {  # BACKEND,... -> their test folders
   local n; for n in ${1//,/ }; do printf 'packages/backend-%s/tests ' "$n"; done
 }
 step_conformance() {  # BACKEND,...
-  # -v: one line per finished test, so a run cut by its time limit still names what failed.
+  # -v: one line per finished test, so a run cut by its time limit still names what failed;
+  # --pagedprefill-failures-now: and says why, each failure's report printed as it comes.
   # worksteal: an idle worker takes queued tests from a busy one (the sweep parts run minutes each).
   # shellcheck disable=SC2046  # the suites are a word list
   run "$PYTHON" -m pytest -v -rfEs --durations=15 -p no:cacheprovider -n "$(workers)" --dist worksteal \
-    $(conformance_suites "$1") --pagedprefill-device=cuda
+    $(conformance_suites "$1") --pagedprefill-device=cuda --pagedprefill-failures-now
   # shellcheck disable=SC2046
   unfinished "$log" $(conformance_suites "$1") --pagedprefill-device=cuda
   report results "$log"
@@ -229,7 +230,7 @@ run_step() {  # STEP: its commands, with `log`, `step_end` and `step_rc` set by 
     hopper-conformance)
       run "$PYTHON" -m pytest -v -rfEs -p no:cacheprovider -p no:benchmark -n "$(workers)" --dist worksteal \
         packages/backend-sm80/tests/test_sm80_hopper_conformance.py --pagedprefill-device=cuda \
-        --pagedprefill-sweep="${SWEEP:-16}"
+        --pagedprefill-sweep="${SWEEP:-16}" --pagedprefill-failures-now
       unfinished "$log" packages/backend-sm80/tests/test_sm80_hopper_conformance.py --pagedprefill-device=cuda \
         --pagedprefill-sweep="${SWEEP:-16}"
       report results "$log" ;;

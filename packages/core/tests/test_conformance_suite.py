@@ -207,6 +207,35 @@ def test_seeds_option_checks_only_the_named_sweep_cases(tmp_path):
         proc.stdout + proc.stderr
 
 
+FAILING_TESTS = '''
+def test_passes():
+    pass
+
+
+def test_fails():
+    assert 1 + 1 == 3, "the failure's own words"
+'''
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one process", "xdist"])
+def test_failures_now_prints_each_failure_when_it_happens(tmp_path, workers):
+    """``--pagedprefill-failures-now``: a failing test's report comes on the terminal as the test fails (with
+    pytest-xdist, from the controller, to which the workers send their reports), before pytest's summary at the
+    end, which a run cut by a time limit never reaches."""
+    if workers:
+        pytest.importorskip("xdist", reason="pytest-xdist is not installed")
+    (tmp_path / "test_failing.py").write_text(FAILING_TESTS)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "TRITON_INTERPRET")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *workers, "--pagedprefill-failures-now",
+         str(tmp_path)], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    out = proc.stdout
+    assert proc.returncode == 1, out
+    now = out.index("FAILED test_failing.py::test_fails (call):")
+    assert "the failure's own words" in out[now:out.index("= FAILURES =")], out
+    assert out.count("FAILED test_failing.py::test_passes") == 0, out
+
+
 def test_a_refused_feature_is_skipped_with_the_refusal_said_once(monkeypatch):
     """A backend that leaves a feature out of supported_features: the case is skipped with the refusal's
     own words, which name the backend and the feature once each."""

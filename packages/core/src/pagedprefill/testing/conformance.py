@@ -19,7 +19,9 @@ Options (registered by the pytest plugin): ``--pagedprefill-device`` (default: `
 else ``cpu``), ``--pagedprefill-size`` (``small`` for the interpreter, ``large`` for GPUs),
 ``--pagedprefill-sweep`` (number of random cases in the sweep, run in :data:`SWEEP_PARTS` parts; the
 model-heads sweep draws a quarter as many, at least one per part), ``--pagedprefill-seeds`` (only the sweep
-cases of these seeds: a failing case names its seed, and is said on the terminal as it fails).
+cases of these seeds: a failing case names its seed, and is said on the terminal as it fails),
+``--pagedprefill-failures-now`` (each failing test's report printed as it fails, pytest-xdist's workers'
+included, so that a run cut by a time limit keeps it).
 
 In Triton's interpreter the suites of this repository's backends share the named, multi-tile and split-key
 cases they run with the same kernel and tile: one suite runs each, the others skip it naming that suite
@@ -434,8 +436,9 @@ class ConformanceSuite:
         """Check the cases of seeds ``first_seed + i`` for the ``i`` of ``range(cases)`` that are ``part`` modulo
         :data:`SWEEP_PARTS`, each batch from ``spec_of(seed, size, dtypes)``; a case the backend declares
         unsupported or refuses (naming the feature) is counted and said, not checked. Every case runs: each one
-        that fails is said on the terminal as it fails (its seed, batch and message), and the part then fails
-        naming all of them. ``only``: the seeds to check (``--pagedprefill-seeds``), the others left out."""
+        that fails is said on the terminal as it fails (its seed, batch and message; pytest-xdist's workers own
+        no terminal, where ``--pagedprefill-failures-now`` prints the part's report when it ends), and the part
+        then fails naming all of them. ``only``: the seeds to check (``--pagedprefill-seeds``), the others left out."""
         seeds = range(part, cases, SWEEP_PARTS)
         if not seeds:
             pytest.skip(f"a {name} of {cases} cases has none for part {part} of {SWEEP_PARTS}")

@@ -22,8 +22,31 @@ TRITON_INTERPRETER_WARNING = (
 )
 
 
+class FailuresNow:
+    """Each failing test's report on the terminal as soon as it fails (``--pagedprefill-failures-now``), not only
+    in pytest's summary at the end, which a run cut by a time limit never reaches. Registered on the process that
+    owns the terminal: with pytest-xdist the controller, to which every worker sends its reports."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def pytest_runtest_logreport(self, report):
+        if not report.failed:
+            return
+        reporter = self.config.pluginmanager.getplugin("terminalreporter")
+        text = f"FAILED {report.nodeid} ({report.when}):\n{report.longreprtext.rstrip()}"
+        if reporter is None:
+            print(text, flush=True)
+        else:
+            reporter.ensure_newline()
+            reporter.write_line(text)
+            reporter.flush()
+
+
 def pytest_configure(config):
     config.addinivalue_line("filterwarnings", TRITON_INTERPRETER_WARNING)
+    if config.getoption("--pagedprefill-failures-now", default=False) and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(FailuresNow(config), "pagedprefill-failures-now")
     # A conformance suite skips the cases its backend or device does not run (bf16 in the interpreter, features a
     # backend refuses): the summary says why for each, as -rs would, in a backend author's plain `pytest tests`.
     chars = getattr(config.option, "reportchars", None)
@@ -94,6 +117,9 @@ def pytest_addoption(parser):
     group.addoption("--pagedprefill-seeds", default=None, metavar="SEED,...",
                     help="check only these cases of the two sweeps, by the seed a failing case names "
                          "(seed=5027), e.g. 5027,1003; the sweep's size still bounds which seeds exist")
+    group.addoption("--pagedprefill-failures-now", action="store_true",
+                    help="print each failing test's report as soon as it fails (with pytest-xdist too), not only "
+                         "in the summary at the end: a run cut by a time limit keeps them")
     group.addoption("--pagedprefill-fuzz", type=int, default=2000,
                     help="number of random cases of the GPU fuzz against the reference (default 2000)")
     group.addoption("--pagedprefill-fuzz-engine", type=int, default=0,
