@@ -165,6 +165,29 @@ class TestSm80HopperConformance(ConformanceSuite):
             assert plan(later), f"the plan declined a call of its signature ({label})"
             assert_matches_reference(later.out, later, atol, rtol, label=f"{label} [{spec.describe()}]")
 
+    @pytest.mark.parametrize("window", [17, 64])
+    @pytest.mark.parametrize("group", [3, 4, 5, 7, 8])
+    def test_windows_on_a_group_packed_in_one_tile(self, group, window, pagedprefill_device):
+        """A sliding window shorter than a key tile on tiles that hold the policy's packing of a KV group: the
+        whole group for 3, 5 and 7 heads (tokens per tile 42, 25 and 18, not powers of two), beside groups of 4 and
+        8; a long prefill with no context, one on cached keys and a decode row. The model-heads sweep's first
+        cases of this kind were its first to fail on a GPU (run 53): each matches the reference here."""
+        from pagedprefill import get_registry
+        from pagedprefill.testing.cases import assert_matches_reference
+        from pagedprefill.tiling import problem_shape
+        from pagedprefill.workloads import make_problem
+
+        info = self.device_info(pagedprefill_device)
+        spec = BASE.replace(head_size=128, block_size=32, dtype=torch.float16, num_heads=group, num_kv_heads=1,
+                            query_lens=(203, 150, 1), context_lens=(0, 300, 90), sliding_window=window, seed=5)
+        problem = make_problem(spec, pagedprefill_device)
+        config = get_registry().get(self.backend).tile_config(problem_shape(problem), info)
+        assert config.kernel == "hopper", config
+        out = self.run_backend(problem, pagedprefill_device)
+        atol, rtol = self.tolerances[spec.dtype]
+        assert_matches_reference(out, problem, atol, rtol,
+                                 label=f"{config.heads_per_tile} heads per tile [{spec.describe()}]")
+
     def test_split_keys_leave_their_arrival_counters_zero_for_the_next_launch(self, pagedprefill_device):
         """Decode rows on a wide block table, whose keys the policy splits: two calls on one stream count on the
         same kept counters and leave them zero, a call on another stream gets its own, and every call matches
