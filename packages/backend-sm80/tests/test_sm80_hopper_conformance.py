@@ -170,8 +170,9 @@ class TestSm80HopperConformance(ConformanceSuite):
     def test_windows_on_a_group_packed_in_one_tile(self, group, window, pagedprefill_device):
         """A sliding window shorter than a key tile on tiles that hold the policy's packing of a KV group: the
         whole group for 3, 5 and 7 heads (tokens per tile 42, 25 and 18, not powers of two), beside groups of 4 and
-        8; a long prefill with no context, one on cached keys and a decode row. The model-heads sweep's first
-        cases of this kind were its first to fail on a GPU (run 53): each matches the reference here."""
+        8; a long prefill with no context, one on cached keys and a decode row. The random sweep draws windows
+        this short on such tiles almost never, the model-heads sweep a few times: here each packing is named, so
+        that a failure says which."""
         from pagedprefill import get_registry
         from pagedprefill.testing.cases import assert_matches_reference
         from pagedprefill.tiling import problem_shape
