@@ -11,9 +11,11 @@ timed; the times are medians of ``do_bench`` medians over alternating rounds.
 
 Usage: python ci/gpu/heads_sweep.py [--suite models|default|engine|context] [--only NAME ...]
        [--packings policy,1,2,group] [--tiles 64x64w4s3 ...] [--rounds 3] [--reps 50] [--json PATH]
-       [--compile-only] [--no-fa4]
+       [--png PATH] [--compile-only] [--no-fa4]
+       python ci/gpu/heads_sweep.py --replot JSON --png PATH      (the chart of a written JSON, no GPU)
 Rows in the order of ``--only`` (each row once); one line per row: TFLOP/s (GB/s too for memory-bound rows) of
-each column; the JSON is written after every row. Exit status 1 when a column misses the conformance tolerance.
+each column; the JSON is written after every row, the chart (``--png``: a panel of TFLOP/s, one of GB/s for
+memory-bound rows, a bar per column) at the end. Exit status 1 when a column misses the conformance tolerance.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 import triton.testing
 from pagedprefill.api import get_registry
 from pagedprefill.cli import fa4 as fa4_peer
-from pagedprefill.cli.bench import check_plain, classic_call, output_error, reference_output
+from pagedprefill.cli.bench import check_plain, classic_call, output_error, plot, reference_output
 from pagedprefill.device import DeviceInfo
 from pagedprefill.tiling import key_splits_for, problem_shape, settle
 from pagedprefill.timing import alternating_rounds
@@ -74,6 +76,20 @@ def forced(backend, problem, info, heads: int, tile: dict = None):
         del backend.tile_config  # the class's memoised policy again
 
 
+def chart(payload: dict, path: str):
+    """The chart of a run's JSON (``payload``: its ``device`` and ``rows``) at ``path``, by the bench's
+    :func:`~pagedprefill.cli.bench.plot`: each column of a row one bar; None when matplotlib is missing or no row
+    was timed."""
+    def impl(label: str) -> str:  # the policy's packing is one bar colour whatever its head count
+        return "engine (policy)" if label.startswith("engine h") and label.endswith("(policy)") else label
+
+    rows = [dict(workload=row["workload"], impl=impl(label), memory_bound=row["memory_bound"],
+                 tflops=cell["tflops"], **({"gbps": cell["gbps"]} if row["memory_bound"] else {}))
+            for row in payload["rows"] for label, cell in row["columns"].items()]
+    device = payload["device"].split(" (")[0]
+    return plot(rows, path, f"the engine's call beside the classic call and FA4, by head packing ({device})")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--suite", choices=sorted(SUITES), default="models", help="the suite whose rows are timed")
@@ -85,11 +101,21 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=50, help="do_bench budget per timing, ms")
     parser.add_argument("--json", default="")
+    parser.add_argument("--png", default="", help="draw the run's chart here when it ends (needs matplotlib)")
+    parser.add_argument("--replot", default="", metavar="JSON",
+                        help="draw the chart (--png) of a JSON an earlier run wrote, and stop: no GPU needed")
     parser.add_argument("--no-fa4", action="store_true", help="leave FlashAttention-4 out even if it imports")
     parser.add_argument("--compile-only", action="store_true",
                         help="bind each plan once, check and time nothing (to fill Triton's cache from several "
                              "processes before the timing run)")
     args = parser.parse_args(argv)
+    if args.replot:
+        if not args.png:
+            parser.error("--replot: name the chart's file with --png")
+        with open(args.replot) as fh:
+            drawn = chart(json.load(fh), args.png)
+        print(f"chart: {drawn}" if drawn else "no chart: matplotlib is not installed or no row was timed")
+        return 0 if drawn else 1
     # In the order of --only, so that a run cut short has timed the rows named first.
     suite = SUITES[args.suite]()
     rows = suite if not args.only else list({wl.name: wl for part in args.only for wl in suite
@@ -168,6 +194,8 @@ def main(argv=None) -> int:
                 json.dump(dict(device=info.describe(), packings=args.packings, rows=results), fh, indent=1)
         del engine, columns, expect
         torch.cuda.empty_cache()
+    if args.png and results:
+        print(f"chart: {chart(dict(device=info.describe(), rows=results), args.png)}", flush=True)
     return 0 if ok else 1
 
 
