@@ -466,7 +466,9 @@ class ConformanceSuite:
                 self._check(spec, device, label)
             except Exception as why:  # noqa: BLE001 - every case of the part runs; the part fails below
                 # Said at once: a run cut by its time limit keeps the message, which pytest prints only at the end.
-                failed.append(f"{label} [{spec.describe()}]: {type(why).__name__}: {why}")
+                said = str(why)  # the comparison's own message names the case already
+                failed.append(said if said.startswith(label) else f"{label} [{spec.describe()}]: "
+                                                                   f"{type(why).__name__}: {said}")
                 terminal_line(f"FAILED {failed[-1]}")
             checked += 1
         terminal_line(f"{self.backend} {name} part {part}: {checked} of {len(seeds)} random cases checked against "
